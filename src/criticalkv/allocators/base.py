@@ -1,0 +1,17 @@
+"""The allocator contract."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from criticalkv.scorers.base import LayerView
+
+
+class Allocator(Protocol):
+    """Splits a row's budget among the KV heads of a layer."""
+
+    def allocate(self, scores: torch.Tensor, row_budgets: torch.Tensor, view: LayerView) -> torch.Tensor:
+        """Per-head budgets (b, h_kv) long; they may differ per head but sum to h_kv * row_budgets[b]."""
+        ...

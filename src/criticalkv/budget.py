@@ -1,0 +1,80 @@
+"""Budgets: how many cached entries a row keeps, as a fraction of its context or as a token count."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from criticalkv.errors import BudgetError
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A compression budget.
+
+    Parameters
+    ----------
+    value
+        A float in (0, 1] is a fraction of each row's context (``0.2`` keeps 20%); an int >= 1 is a number
+        of entries per KV head (``512``). ``1.0`` keeps everything.
+    """
+
+    value: float | int
+
+    def __post_init__(self) -> None:
+        v = self.value
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise BudgetError(f"budget must be a number, got {v!r}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise BudgetError(f"budget must be finite, got {v!r}")
+        if v <= 0:
+            raise BudgetError(f"budget must be > 0, got {v!r}")
+        if isinstance(v, float) and v > 1:
+            raise BudgetError(
+                f"a fractional budget must be in (0, 1], got {v!r}; for a token count pass an integer such as 512"
+            )
+
+    @classmethod
+    def parse(cls, value: Budget | float | int | str) -> Budget:
+        """Read ``0.2``, ``512``, ``"0.2"`` or ``"512"``; integers are token counts, decimals fractions."""
+        if isinstance(value, Budget):
+            return value
+        if isinstance(value, str):
+            text = value.strip()
+            try:
+                return cls(int(text)) if text.isdigit() else cls(float(text))
+            except ValueError:
+                raise BudgetError(
+                    f"cannot read budget {value!r}: use a fraction like 0.2 or a count like 512"
+                ) from None
+        return cls(value)
+
+    @property
+    def is_fraction(self) -> bool:
+        return isinstance(self.value, float)
+
+    @property
+    def keeps_everything(self) -> bool:
+        return self.is_fraction and self.value == 1.0
+
+    def entries_for(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Entries to keep per row, given each row's real context length: (b,) long -> (b,) long.
+
+        A fraction is floored (``floor(0.2 * 4096) = 819``, kvpress's rounding); the result never exceeds the
+        row's length, and a fraction that rounds to zero entries is an error.
+        """
+        if self.is_fraction:
+            # The small tolerance makes 0.2 * 4095 (= 818.99999...) count as 819, as the decimal reads.
+            n = torch.floor(lengths.double() * self.value + 1e-9).long()
+            short = (n < 1) & (lengths > 0)
+            if bool(short.any()):
+                raise BudgetError(
+                    f"budget {self.value} of a {int(lengths[short][0])}-token context rounds to zero entries"
+                )
+            return torch.minimum(n, lengths)
+        return torch.clamp(lengths, max=int(self.value))
+
+    def __str__(self) -> str:
+        return f"{self.value:g}" if self.is_fraction else f"{self.value} tokens"

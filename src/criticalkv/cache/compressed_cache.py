@@ -1,0 +1,56 @@
+"""The transformers ``Cache`` holding compressed layers; sliding-window layers stay transformers' own."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from transformers import PretrainedConfig
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
+
+from criticalkv.cache.compressed_layer import CompressedLayer
+
+if TYPE_CHECKING:
+    from criticalkv.runtime.compressor import Compressor
+
+
+class CompressedCache(Cache):
+    """A cache whose full-attention layers can be compressed right after their prefill.
+
+    Sliding-window layers (Gemma 3, Mistral with a window) already hold at most their window and are left
+    to transformers' own layers, uncompressed.
+    """
+
+    def __init__(self, config: PretrainedConfig, compressor: Compressor | None = None) -> None:
+        text_config = config.get_text_config(decoder=True)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        layers = [
+            CompressedLayer() if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
+            for kind, kwargs in zip(layer_types, layer_kwargs, strict=True)
+        ]
+        super().__init__(layers=layers)
+        self.compressor = compressor
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self.compressor is not None:
+            self.compressor.active_cache = self  # the attention function right after this call reads it
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def nbytes(self) -> int:
+        """Bytes of key/value storage held by every layer (capacity, including sliding layers)."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, CompressedLayer):
+                total += layer.nbytes()
+            elif getattr(layer, "is_initialized", False):
+                total += layer.keys.nbytes + layer.values.nbytes
+        return total
+
+    def entries(self) -> int:
+        """(batch, layer, head, token) entries held, summed over every layer."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, CompressedLayer):
+                total += layer.entries()
+            elif getattr(layer, "is_initialized", False):
+                total += layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2]
+        return total

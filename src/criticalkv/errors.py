@@ -1,0 +1,25 @@
+"""Errors raised by criticalkv. All derive from ``CriticalKVError`` (itself a ``ValueError``)."""
+
+
+class CriticalKVError(ValueError):
+    """Base class of every error criticalkv raises on bad input."""
+
+
+class UnsupportedModelError(CriticalKVError):
+    """The model's architecture is not one criticalkv knows how to compress."""
+
+
+class BudgetError(CriticalKVError):
+    """A budget that cannot be applied (<= 0, a fraction above 1, or one that rounds to zero)."""
+
+
+class UnknownMethodError(CriticalKVError):
+    """A method preset name, or an option of one, that does not exist."""
+
+
+class NegativeScoreError(CriticalKVError):
+    """Scores fed to the CriticalKV selector are negative, so attention x value-norm would mean nothing."""
+
+
+class CacheStateError(CriticalKVError):
+    """A cache used in a way its state does not allow (e.g. cropping into the compressed context)."""

@@ -1,0 +1,62 @@
+"""The one-line API: ``with criticalkv.compress(model, "critical-snapkv", budget=0.2): model.generate(...)``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from transformers import PreTrainedModel
+
+from criticalkv.budget import Budget
+from criticalkv.methods import build_method
+from criticalkv.runtime.compressor import Compressor
+from criticalkv.runtime.method import Method
+
+
+def make_compressor(
+    model: PreTrainedModel, method: str | Method, budget: Budget | float | int | str, **options: object
+) -> Compressor | None:
+    """A compressor for a preset name or a ``Method``; None for ``"full"`` (nothing to install)."""
+    budget = Budget.parse(budget)
+    if isinstance(method, Method):
+        if options:
+            raise TypeError("options apply to preset names; set them on the pieces of a custom Method")
+        built = method
+    else:
+        built = build_method(method, **options)
+    if built is None or budget.keeps_everything:
+        return None
+    return Compressor(model, built, budget)
+
+
+@contextmanager
+def compress(
+    model: PreTrainedModel,
+    method: str | Method = "critical-snapkv",
+    budget: Budget | float | int | str = 0.2,
+    **options: object,
+) -> Iterator[Compressor | None]:
+    """Compress every prefill run inside the block; each layer's cache shrinks right after its prefill.
+
+    Parameters
+    ----------
+    model
+        A transformers causal LM of a supported family, with ``sdpa`` or ``eager`` attention.
+    method
+        A preset name (``criticalkv.method_names()``) or a custom ``Method``.
+    budget
+        A fraction of each prompt (``0.2``) or an entry count per KV head (``512``). ``1.0`` installs nothing:
+        the model runs exactly as without criticalkv.
+    options
+        Preset options, e.g. ``window=64`` or ``alpha=0.25``.
+
+    Yields
+    ------
+    The installed ``Compressor`` (its ``records`` say what each layer kept), or None when nothing is compressed.
+    """
+    compressor = make_compressor(model, method, budget, **options)
+    if compressor is None:
+        yield None
+        return
+    with compressor:
+        yield compressor

@@ -1,0 +1,164 @@
+"""One compressed context, many questions: prefill once, answer each question, trim back after each answer."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache
+
+from criticalkv.budget import Budget
+from criticalkv.runtime.api import make_compressor
+from criticalkv.runtime.compressor import Compressor
+from criticalkv.runtime.method import Method
+
+
+@dataclass
+class Generation:
+    """Greedy tokens of one call, with its timings."""
+
+    tokens: torch.Tensor  # (b, n) generated ids, eos included where it was produced
+    prefill_seconds: float  # time of the forward over the new prompt tokens (context or question)
+    decode_seconds: list[float] = field(default_factory=list)  # one per decoded token after the first
+
+    @property
+    def decode_seconds_per_token(self) -> float:
+        return sum(self.decode_seconds) / len(self.decode_seconds) if self.decode_seconds else float("nan")
+
+
+class ContextSession:
+    """A context prefilled once under a method and budget; each call continues it and trims back.
+
+    Parameters
+    ----------
+    model
+        A supported causal LM.
+    method, budget, options
+        As in ``criticalkv.compress``; ``"full"`` (or budget 1.0) keeps the full cache for comparison.
+
+    Notes
+    -----
+    Question-agnostic use: ``prefill(context)``, then ``ask(question)`` as often as needed; the question's
+    tokens continue the context's positions and are never compressed. Question-aware use: ``prefill`` the
+    context and the question together, then ``ask`` with no new tokens.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        method: str | Method = "critical-snapkv",
+        budget: Budget | float | int | str = 0.2,
+        **options: object,
+    ) -> None:
+        self.model = model
+        self.compressor: Compressor | None = make_compressor(model, method, budget, **options)
+        self.cache: Cache | None = None
+        self.mask: torch.Tensor | None = None  # (b, seen) logical attention mask of the cached tokens
+        self.context_length = 0
+        self.prefill_generation: Generation | None = None
+
+    # --- phases ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Prefill (and compress) the context: input_ids (b, t), left-padded if rows differ. Returns the last
+        position's logits (b, vocab)."""
+        self.cache = (
+            self.compressor.new_cache() if self.compressor else DynamicCache(config=self.model.config)
+        )
+        self.mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        self.context_length = 0
+        start = time.perf_counter()
+        logits = self._forward(input_ids, self.mask)
+        self.prefill_seconds = time.perf_counter() - start
+        self.context_length = input_ids.shape[1]
+        self.last_logits = logits
+        return logits
+
+    @torch.no_grad()
+    def ask(
+        self,
+        question_ids: torch.Tensor | None = None,
+        max_new_tokens: int = 32,
+        eos_token_id: int | list[int] | None = None,
+        question_mask: torch.Tensor | None = None,
+    ) -> Generation:
+        """Greedy answer to question_ids (b, q) appended to the context (None: answer the prefilled prompt).
+
+        The cache is trimmed back to the context afterwards, so the next question sees the same context.
+        """
+        if self.cache is None:
+            raise RuntimeError("call prefill(context) first")
+        start = time.perf_counter()
+        if question_ids is None or question_ids.shape[1] == 0:
+            logits = self.last_logits
+        else:
+            q_mask = torch.ones_like(question_ids) if question_mask is None else question_mask
+            logits = self._forward(question_ids, torch.cat([self.mask, q_mask], dim=1))
+        first = time.perf_counter() - start
+        result = Generation(torch.empty(logits.shape[0], 0, dtype=torch.long, device=logits.device), first)
+        eos = torch.tensor(
+            [eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=logits.device
+        )
+        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        full_mask = self.mask_with_pending
+        for step in range(max_new_tokens):
+            token = logits.argmax(-1)  # (b,)
+            result.tokens = torch.cat([result.tokens, token[:, None]], dim=1)
+            done |= torch.isin(token, eos)
+            if bool(done.all()) or step == max_new_tokens - 1:
+                break
+            tick = time.perf_counter()
+            full_mask = torch.cat([full_mask, torch.ones_like(token[:, None])], dim=1)
+            logits = self._forward(token[:, None], full_mask)
+            result.decode_seconds.append(time.perf_counter() - tick)
+        self.rewind()
+        return result
+
+    def rewind(self) -> None:
+        """Drop everything appended after the context (question and answer tokens)."""
+        extra = self.cache.get_seq_length() - self.context_length
+        if extra > 0:
+            self.cache.crop(-extra)
+        self.mask_with_pending = self.mask
+
+    # --- accounting --------------------------------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Bytes of key/value storage the cache holds now."""
+        if hasattr(self.cache, "nbytes"):
+            return self.cache.nbytes()
+        return sum(
+            layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers if layer.is_initialized
+        )
+
+    def kv_entries(self) -> int:
+        """(batch, layer, head, token) entries the cache holds now."""
+        if hasattr(self.cache, "entries"):
+            return self.cache.entries()
+        return sum(
+            layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2]
+            for layer in self.cache.layers
+            if layer.is_initialized
+        )
+
+    # --- internals ---------------------------------------------------------------------------------------------
+    def _forward(self, input_ids: torch.Tensor, full_mask: torch.Tensor) -> torch.Tensor:
+        """Run new tokens (b, q) given the logical mask of everything so far (b, seen + q); last logits."""
+        positions = (full_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]
+        self.mask_with_pending = full_mask
+        if self.compressor is not None:
+            self.compressor.install()
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=full_mask,
+                position_ids=positions,
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        finally:
+            if self.compressor is not None:
+                self.compressor.uninstall()
+        return out.logits[:, -1, :].float()

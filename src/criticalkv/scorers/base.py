@@ -1,0 +1,80 @@
+"""What a scorer sees of one layer right after its prefill attention, and the scorer contract."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass
+class LayerView:
+    """One attention layer's prefill, as handed to scorers, allocators and selectors.
+
+    ``query`` holds the query states the attention layer itself computed (after the model's QK-norm and RoPE
+    at the true positions), so a scorer that reads the last ``w`` rows gets exactly the observation-window
+    queries that kvpress recomputes from the hidden states.
+    """
+
+    module: nn.Module  # the attention module: o_proj, layer_idx
+    query: torch.Tensor  # (b, h_q, t, d)
+    keys: torch.Tensor  # (b, h_kv, t, d)
+    values: torch.Tensor  # (b, h_kv, t, d)
+    valid: torch.Tensor  # (b, t) bool; False on padding
+    scaling: float  # softmax scale the layer uses (1/sqrt(d) for most models)
+
+    @property
+    def groups(self) -> int:
+        """Query heads per KV head (GQA group size)."""
+        return self.query.shape[1] // self.keys.shape[1]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Real (non-padding) length of each row: (b,) long."""
+        return self.valid.sum(-1)
+
+    @property
+    def o_proj_weight(self) -> torch.Tensor:
+        """The output projection, (hidden, h_q * d)."""
+        return self.module.o_proj.weight
+
+
+class Scorer(Protocol):
+    """Scores every cached entry of a layer; higher means more worth keeping."""
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        """Scores (b, h_kv, t), float32. Values at padding positions are ignored."""
+        ...
+
+    def protected(self, view: LayerView) -> torch.Tensor:
+        """Positions always kept and counted inside the budget: (b, t) bool."""
+        ...
+
+
+def last_positions(view: LayerView, n: int) -> torch.Tensor:
+    """The last ``n`` positions of every row: (b, t) bool. Left padding keeps real tokens at the end."""
+    b, t = view.valid.shape
+    mask = torch.zeros(b, t, dtype=torch.bool, device=view.valid.device)
+    if n > 0:
+        mask[:, max(t - n, 0) :] = True
+    return mask & view.valid
+
+
+def window_attention(view: LayerView, window: int) -> torch.Tensor:
+    """Softmax attention of the last ``window`` queries over all keys, float32: (b, h_kv, G, w, t).
+
+    Causal inside the window, padding keys masked, computed per KV head without repeating the keys.
+    """
+    b, h_kv, t, d = view.keys.shape
+    g = view.groups
+    w = min(window, t)
+    q = view.query[:, :, t - w :, :].float().reshape(b, h_kv, g * w, d)  # (b, h_kv, G*w, d)
+    logits = torch.matmul(q, view.keys.float().transpose(-1, -2)) * view.scaling  # (b, h_kv, G*w, t)
+    logits = logits.view(b, h_kv, g, w, t)
+    query_pos = torch.arange(t - w, t, device=q.device)  # (w,)
+    key_pos = torch.arange(t, device=q.device)  # (t,)
+    allowed = (key_pos[None, :] <= query_pos[:, None])[None, None, None] & view.valid[:, None, None, None, :]
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(logits, dim=-1)

@@ -1,0 +1,49 @@
+"""The selector contract and the two building blocks every selector shares."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from criticalkv.scorers.base import LayerView
+
+
+class Selector(Protocol):
+    """Chooses which entries fill each head's budget."""
+
+    def select(
+        self, scores: torch.Tensor, budgets: torch.Tensor, protected: torch.Tensor, view: LayerView
+    ) -> torch.Tensor:
+        """Keep mask (b, h_kv, t) bool with exactly ``budgets[b, h]`` entries per head.
+
+        ``scores`` (b, h_kv, t) float32; ``budgets`` (b, h_kv) long, counted with the protected entries;
+        ``protected`` (b, t) bool, positions kept first.
+        """
+        ...
+
+
+def keep_protected(protected: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+    """Protected positions, the most recent first when the budget cannot hold them all: (b, h, t) bool."""
+    # from_right[b, i] = number of protected positions at or after i
+    from_right = protected.flip(-1).long().cumsum(-1).flip(-1)  # (b, t)
+    return protected[:, None, :] & (from_right[:, None, :] <= budgets[:, :, None])
+
+
+def take_top(
+    scores: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor, need: torch.Tensor
+) -> torch.Tensor:
+    """Add to ``keep`` the ``need[b, h]`` best-scored valid entries it does not hold yet.
+
+    scores (b, h, t) float32; keep (b, h, t) bool; valid (b, t) bool; need (b, h) long. Returns a new mask.
+    """
+    candidates = valid[:, None, :] & ~keep
+    need = torch.minimum(need.clamp(min=0), candidates.sum(-1))
+    k = int(need.max()) if need.numel() else 0
+    if k == 0:
+        return keep
+    ranked = scores.masked_fill(~candidates, float("-inf")).topk(k, dim=-1)  # sorted, best first
+    take = torch.arange(k, device=scores.device)[None, None, :] < need[:, :, None]  # (b, h, k)
+    added = torch.zeros_like(keep)
+    added.scatter_(-1, ranked.indices, take)
+    return keep | added
