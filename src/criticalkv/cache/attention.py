@@ -14,10 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
-
-from criticalkv.cache.compressed_layer import as_bool_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from criticalkv.cache.compressed_layer import as_bool_mask
 from criticalkv.errors import CriticalKVError
 
 __all__ = ["as_bool_mask", "criticalkv_attention", "masked_attention", "register"]
@@ -75,9 +74,7 @@ def criticalkv_attention(
         out, weights = masked_attention(query, key, value, mask, scaling), None
     else:
         base = _base_attention(module, compressor.base_implementation)
-        out, weights = base(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
+        out, weights = base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if layer is not None and layer.fresh:
         compressor.compress_layer(module, query, key, value, attention_mask, scaling, layer)
     return out, weights

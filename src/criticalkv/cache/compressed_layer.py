@@ -28,9 +28,7 @@ class CompressedLayer(CacheLayerMixin):
         self.tail = 0  # entries appended after the compressed context, shared by every segment
         self.seen = 0  # logical length: every token written so far
         self.context_seen = 0  # logical length at compression time (0 while dense)
-        self.fresh = (
-            False  # True right after the first (prefill) update, until compression or the next update
-        )
+        self.fresh = False  # True right after the first (prefill) update, until compression or the next update
 
     # --- state -----------------------------------------------------------------------------------------------
     @property
@@ -127,14 +125,10 @@ class CompressedLayer(CacheLayerMixin):
         if self.is_compressed or self.tail != self.seen:
             raise CacheStateError("a layer is compressed once, right after its prefill")
         if keep.shape != (*self.keys.shape[:2], self.seen):
-            raise CacheStateError(
-                f"keep mask {tuple(keep.shape)} does not match the cache {tuple(self.keys.shape)}"
-            )
+            raise CacheStateError(f"keep mask {tuple(keep.shape)} does not match the cache {tuple(self.keys.shape)}")
         counts = keep.sum(-1)  # (b, h)
         width = int(counts.max())
-        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[
-            ..., :width
-        ]  # kept positions first
+        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :width]  # kept positions first
         index = order[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, index)  # a new (b, h, width, d) buffer; the prompt's is released
         self.values = self.values.gather(2, index)

@@ -129,6 +129,4 @@ class Compressor:
             layer.fresh = False
         else:
             layer.compress(decision.keep)
-        self.records.append(
-            LayerRecord(module.layer_idx, view.lengths, decision.budgets, decision.kept_whole)
-        )
+        self.records.append(LayerRecord(module.layer_idx, view.lengths, decision.budgets, decision.kept_whole))

@@ -64,9 +64,7 @@ class ContextSession:
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Prefill (and compress) the context: input_ids (b, t), left-padded if rows differ. Returns the last
         position's logits (b, vocab)."""
-        self.cache = (
-            self.compressor.new_cache() if self.compressor else DynamicCache(config=self.model.config)
-        )
+        self.cache = self.compressor.new_cache() if self.compressor else DynamicCache(config=self.model.config)
         self.mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         self.context_length = 0
         start = time.perf_counter()
@@ -128,9 +126,7 @@ class ContextSession:
         """Bytes of key/value storage the cache holds now."""
         if hasattr(self.cache, "nbytes"):
             return self.cache.nbytes()
-        return sum(
-            layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers if layer.is_initialized
-        )
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers if layer.is_initialized)
 
     def kv_entries(self) -> int:
         """(batch, layer, head, token) entries the cache holds now."""

@@ -30,9 +30,7 @@ def keep_protected(protected: torch.Tensor, budgets: torch.Tensor) -> torch.Tens
     return protected[:, None, :] & (from_right[:, None, :] <= budgets[:, :, None])
 
 
-def take_top(
-    scores: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor, need: torch.Tensor
-) -> torch.Tensor:
+def take_top(scores: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
     """Add to ``keep`` the ``need[b, h]`` best-scored valid entries it does not hold yet.
 
     scores (b, h, t) float32; keep (b, h, t) bool; valid (b, t) bool; need (b, h) long. Returns a new mask.

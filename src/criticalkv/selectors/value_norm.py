@@ -22,9 +22,7 @@ def projected_value_norm(values: torch.Tensor, o_proj_weight: torch.Tensor) -> t
     b, h_kv, t, d = values.shape
     hidden, in_features = o_proj_weight.shape
     if in_features % (h_kv * d):
-        raise ValueError(
-            f"o_proj takes {in_features} inputs, not a multiple of {h_kv} KV heads x head_dim {d}"
-        )
+        raise ValueError(f"o_proj takes {in_features} inputs, not a multiple of {h_kv} KV heads x head_dim {d}")
     g = in_features // (h_kv * d)
     # (hidden, h_kv, G, d) -> (h_kv, d, G, hidden) -> (h_kv, d, G*hidden): one matmul per KV head for the group
     w = o_proj_weight.float().view(hidden, h_kv, g, d).permute(1, 3, 2, 0).reshape(h_kv, d, g * hidden)
