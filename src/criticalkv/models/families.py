@@ -1,0 +1,94 @@
+"""Model families criticalkv supports, and the few config facts the cache needs from them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from transformers import PretrainedConfig
+
+from criticalkv.errors import UnsupportedModelError
+
+#: ``config.model_type`` -> human-readable family name. Iterating yields the model types in order.
+SUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
+    {
+        "llama": "Llama (also SmolLM2)",
+        "mistral": "Mistral",
+        "qwen2": "Qwen2 / Qwen2.5",
+        "qwen3": "Qwen3",
+        "gemma3_text": "Gemma 3 (text-only)",
+        "phi3": "Phi-3",
+    }
+)
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """Return the decoder text config (the config itself for plain causal LMs).
+
+    Parameters
+    ----------
+    config : PretrainedConfig
+        Any transformers config, possibly a multimodal wrapper.
+
+    Returns
+    -------
+    PretrainedConfig
+        ``config.get_text_config(decoder=True)``.
+    """
+    return config.get_text_config(decoder=True)
+
+
+def check_supported(config: PretrainedConfig) -> str:
+    """Raise unless ``config`` belongs to a supported decoder family.
+
+    Parameters
+    ----------
+    config : PretrainedConfig
+        The model's top-level config. Multimodal wrappers (e.g. ``model_type="gemma3"``) are refused:
+        load the text-only model instead.
+
+    Returns
+    -------
+    str
+        The config's ``model_type``.
+
+    Raises
+    ------
+    UnsupportedModelError
+        Naming the model type and listing the supported families.
+    """
+    model_type = getattr(config, "model_type", None) or "<unknown>"
+    if model_type in SUPPORTED_FAMILIES:
+        return model_type
+    supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_FAMILIES.items())
+    hint = ""
+    inner = getattr(text_config(config), "model_type", None)
+    if inner in SUPPORTED_FAMILIES and inner != model_type:
+        hint = (
+            f" This is a multimodal wrapper around a supported '{inner}' text model: load the text-only "
+            f"model (its config has model_type '{inner}', e.g. via AutoModelForCausalLM on a text checkpoint)."
+        )
+    raise UnsupportedModelError(
+        f"criticalkv does not support model_type '{model_type}'. Supported families: {supported}.{hint}"
+    )
+
+
+def head_dim(config: PretrainedConfig) -> int:
+    """Per-head dimension of keys/values (channels per head).
+
+    Parameters
+    ----------
+    config : PretrainedConfig
+        A decoder config (multimodal wrappers are unwrapped to their text config).
+
+    Returns
+    -------
+    int
+        ``config.head_dim`` when set, else ``hidden_size // num_attention_heads`` (Qwen2 has no
+        ``head_dim`` field).
+    """
+    cfg = text_config(config)
+    value = getattr(cfg, "head_dim", None)
+    if value is not None:
+        return int(value)
+    return int(cfg.hidden_size // cfg.num_attention_heads)

