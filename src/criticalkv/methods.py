@@ -36,9 +36,7 @@ PRESETS: dict[str, Preset] = {
     "streaming": Preset(
         "StreamingLLM: 4 attention sinks + the most recent tokens", _preset(StreamingScorer, TopKSelector)
     ),
-    "knorm": Preset(
-        "key norm: keep the entries with the smallest key L2 norm", _preset(KeyNormScorer, TopKSelector)
-    ),
+    "knorm": Preset("key norm: keep the entries with the smallest key L2 norm", _preset(KeyNormScorer, TopKSelector)),
     "tova": Preset(
         "TOVA: attention of the last prompt token, mean over the layer's heads",
         _preset(TOVAScorer, TopKSelector),

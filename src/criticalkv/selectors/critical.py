@@ -29,16 +29,22 @@ class CriticalSelector:
     eps
         Added to the scores before the product so a zero-attention entry with a large value can still win
         (1e-4 in the paper and kvpress).
+    norm_dtype
+        ``"float32"`` computes V W_O in float32 (method.md); ``"model"`` in the values' dtype with a float32
+        sum, as kvpress does (bfloat16 products; about twice as fast on CPUs with AMX).
     """
 
     alpha: float = 0.5
     eps: float = 1e-4
+    norm_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
         if self.eps < 0 or not math.isfinite(self.eps):
             raise ValueError(f"eps must be finite and >= 0, got {self.eps}")
+        if self.norm_dtype not in ("float32", "model"):
+            raise ValueError(f"norm_dtype must be 'float32' or 'model', got {self.norm_dtype!r}")
 
     def select(
         self, scores: torch.Tensor, budgets: torch.Tensor, protected: torch.Tensor, view: LayerView
@@ -53,5 +59,6 @@ class CriticalSelector:
         keep = keep_protected(protected, budgets)
         stage1 = torch.floor(budgets.double() * self.alpha + 1e-9).long()  # (b, h_kv)
         keep = take_top(scores, keep, view.valid, stage1 - keep.sum(-1))
-        norms = projected_value_norm(view.values, view.o_proj_weight)  # (b, h_kv, t)
+        dtype = torch.float32 if self.norm_dtype == "float32" else None
+        norms = projected_value_norm(view.values, view.o_proj_weight, dtype)  # (b, h_kv, t)
         return take_top((scores + self.eps) * norms, keep, view.valid, budgets - keep.sum(-1))

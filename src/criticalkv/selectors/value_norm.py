@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import torch
 
-# Largest float32 intermediate (b, h_kv, chunk, G * hidden) built at once, in elements (64 MiB).
-_CHUNK_ELEMENTS = 16 * 1024 * 1024
+# Largest intermediate (b, h_kv, chunk, G * hidden) built at once, in elements: small enough to stay in cache,
+# which makes the abs-sum pass several times faster than one large product.
+_CHUNK_ELEMENTS = 1024 * 1024
 
 
-def projected_value_norm(values: torch.Tensor, o_proj_weight: torch.Tensor) -> torch.Tensor:
+def projected_value_norm(
+    values: torch.Tensor, o_proj_weight: torch.Tensor, compute_dtype: torch.dtype | None = torch.float32
+) -> torch.Tensor:
     """||V_i W_O^g||_1 averaged over the G query heads g that share each KV head: (b, h_kv, t) float32.
 
     Parameters
@@ -18,6 +21,9 @@ def projected_value_norm(values: torch.Tensor, o_proj_weight: torch.Tensor) -> t
     o_proj_weight
         (hidden, h_q * d) weight of the layer's output projection; query head g's slice W_O^g is the d input
         columns g*d .. (g+1)*d, i.e. a (d, hidden) matrix. No bias enters the norm.
+    compute_dtype
+        dtype of the product V W_O (float32 by default; None uses the values' own dtype, as kvpress does, which
+        is about twice as fast in bfloat16 on CPUs with AMX). The L1 sum is always accumulated in float32.
     """
     b, h_kv, t, d = values.shape
     hidden, in_features = o_proj_weight.shape
@@ -25,12 +31,13 @@ def projected_value_norm(values: torch.Tensor, o_proj_weight: torch.Tensor) -> t
         raise ValueError(f"o_proj takes {in_features} inputs, not a multiple of {h_kv} KV heads x head_dim {d}")
     g = in_features // (h_kv * d)
     # (hidden, h_kv, G, d) -> (h_kv, d, G, hidden) -> (h_kv, d, G*hidden): one matmul per KV head for the group
-    w = o_proj_weight.float().view(hidden, h_kv, g, d).permute(1, 3, 2, 0).reshape(h_kv, d, g * hidden)
+    dtype = values.dtype if compute_dtype is None else compute_dtype
+    w = o_proj_weight.to(dtype).view(hidden, h_kv, g, d).permute(1, 3, 2, 0).reshape(h_kv, d, g * hidden)
     chunk = max(1, _CHUNK_ELEMENTS // max(1, b * h_kv * g * hidden))
     out = values.new_empty((b, h_kv, t), dtype=torch.float32)
     for start in range(0, t, chunk):
-        v = values[:, :, start : start + chunk].float()  # (b, h_kv, c, d)
+        v = values[:, :, start : start + chunk].to(dtype)  # (b, h_kv, c, d)
         projected = torch.matmul(v, w)  # (b, h_kv, c, G*hidden)
-        norms = projected.view(b, h_kv, -1, g, hidden).abs().sum(-1)  # (b, h_kv, c, G)
+        norms = projected.float().abs_().view(b, h_kv, -1, g, hidden).sum(-1)  # (b, h_kv, c, G), float32 sum
         out[:, :, start : start + chunk] = norms.mean(-1)
     return out
