@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from criticalkv.allocators import UniformAllocator
+from criticalkv.allocators import AdaKVAllocator, HeadKVAllocator, PyramidAllocator, UniformAllocator
 from criticalkv.errors import UnknownMethodError
 from criticalkv.runtime.method import Method
 from criticalkv.scorers import KeyNormScorer, SnapKVScorer, StreamingScorer, TOVAScorer
@@ -32,6 +32,30 @@ PRESETS: dict[str, Preset] = {
     "critical-snapkv": Preset(
         "CriticalKV over SnapKV: alpha=0.5 of the budget by attention, the rest by attention x ||V W_O||_1",
         _preset(SnapKVScorer, CriticalSelector),
+    ),
+    "adakv": Preset(
+        "AdaKV: SnapKV scores, one layer-wide top-k over all KV heads sets each head's budget (safeguard 0.2)",
+        lambda: Method(SnapKVScorer(), AdaKVAllocator(), TopKSelector()),
+    ),
+    "critical-adakv": Preset(
+        "CriticalKV over AdaKV: AdaKV's head budgets from the attention, then the two-stage selection per head",
+        lambda: Method(SnapKVScorer(), AdaKVAllocator(), CriticalSelector()),
+    ),
+    "pyramidkv": Preset(
+        "PyramidKV: SnapKV scores, layer budgets decreasing linearly with depth (beta 20), top-k per head",
+        lambda: Method(SnapKVScorer(), PyramidAllocator(), TopKSelector()),
+    ),
+    "critical-pyramidkv": Preset(
+        "CriticalKV over PyramidKV: pyramid layer budgets, two-stage selection per head",
+        lambda: Method(SnapKVScorer(), PyramidAllocator(), CriticalSelector()),
+    ),
+    "headkv": Preset(
+        "HeadKV: SnapKV scores, head budgets from the model's head-importance profile (base share 0.2), top-k",
+        lambda: Method(SnapKVScorer(), HeadKVAllocator(), TopKSelector()),
+    ),
+    "critical-headkv": Preset(
+        "CriticalKV over HeadKV: profile-driven head budgets, two-stage selection per head",
+        lambda: Method(SnapKVScorer(), HeadKVAllocator(), CriticalSelector()),
     ),
     "streaming": Preset(
         "StreamingLLM: 4 attention sinks + the most recent tokens", _preset(StreamingScorer, TopKSelector)

@@ -1,8 +1,8 @@
 """Attention over compressed layers, registered in transformers' attention-function registry.
 
 Dense (not yet compressed) layers go to the model's own attention implementation with transformers' mask,
-so an uncompressed run is exactly the model's run. Compressed layers use one ``scaled_dot_product_attention``
-call per layer with a per-(batch, KV head) mask and no repetition of the keys for GQA.
+so an uncompressed run is exactly the model's run. Compressed layers attend over their variable-length
+segments (``segment_attention``).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from criticalkv.cache.compressed_layer import as_bool_mask
+from criticalkv.cache.compressed_layer import CompressedLayer, as_bool_mask
 from criticalkv.errors import CriticalKVError
 
-__all__ = ["as_bool_mask", "criticalkv_attention", "masked_attention", "register"]
+__all__ = ["as_bool_mask", "criticalkv_attention", "register", "segment_attention"]
 
 BASE_IMPLEMENTATIONS = ("sdpa", "eager")
 MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}
@@ -30,22 +30,39 @@ def implementation_name(base: str) -> str:
     return f"criticalkv_{base}"
 
 
-def masked_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float
+def segment_attention(
+    query: torch.Tensor,
+    layer: CompressedLayer,
+    tail_keys: torch.Tensor,
+    tail_values: torch.Tensor,
+    tail_mask: torch.Tensor,
+    scaling: float,
 ) -> torch.Tensor:
-    """Grouped-query attention with a per-KV-head mask.
+    """Attention of a compressed layer: each segment's kept context entries, then the shared tail.
 
-    query (b, h_q, q, d); keys, values (b, h_kv, n, d); mask (b, h_kv, q, n) bool. Returns (b, q, h_q, d),
-    the layout transformers' attention functions return. The G query heads of a KV head are folded into the
-    query axis, so keys are never repeated.
+    query (b, h_q, q, d); tail_keys, tail_values (b, h_kv, tail, d); tail_mask (b, 1, q, tail) bool, True where
+    a query may read a tail entry (every query reads the whole context). Returns (b, q, h_q, d), the layout
+    transformers' attention functions return. The G query heads of a KV head are folded into the query axis,
+    so keys are never repeated; one ``scaled_dot_product_attention`` call per (row, KV head) segment.
     """
     b, h_q, q, d = query.shape
-    h_kv, n = keys.shape[1], keys.shape[2]
+    h_kv = layer.lengths.shape[1]
     g = h_q // h_kv
+    tail = tail_keys.shape[2]
     folded = query.reshape(b, h_kv, g * q, d)
-    folded_mask = mask[:, :, None].expand(b, h_kv, g, q, n).reshape(b, h_kv, g * q, n)
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=folded_mask, scale=scaling)
-    return out.view(b, h_q, q, -1).transpose(1, 2)
+    row_mask = tail_mask[:, 0, None].expand(b, g, q, tail).reshape(b, g * q, tail)  # (b, G*q, tail)
+    offsets = layer.offsets().tolist()
+    out = torch.empty_like(folded)
+    for row in range(b):
+        for head in range(h_kv):
+            start, end = offsets[row * h_kv + head], offsets[row * h_kv + head + 1]
+            keys = torch.cat([layer.context_keys[start:end], tail_keys[row, head]])  # (n + tail, d)
+            values = torch.cat([layer.context_values[start:end], tail_values[row, head]])
+            mask = torch.cat([row_mask.new_ones(g * q, end - start), row_mask[row]], dim=-1)  # (G*q, n + tail)
+            out[row, head] = F.scaled_dot_product_attention(
+                folded[row, head][None], keys[None], values[None], attn_mask=mask[None], scale=scaling
+            )[0]
+    return out.view(b, h_q, q, d).transpose(1, 2)
 
 
 def _base_attention(module: nn.Module, base: str):
@@ -70,8 +87,8 @@ def criticalkv_attention(
     scaling = module.scaling if scaling is None else scaling
     layer = compressor.layer_for(module.layer_idx)
     if layer is not None and layer.is_compressed:
-        mask = layer.physical_mask(attention_mask, query.shape[2])
-        out, weights = masked_attention(query, key, value, mask, scaling), None
+        mask = layer.tail_mask(attention_mask, query.shape[2])
+        out, weights = segment_attention(query, layer, key, value, mask, scaling), None
     else:
         base = _base_attention(module, compressor.base_implementation)
         out, weights = base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)

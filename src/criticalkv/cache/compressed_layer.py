@@ -1,11 +1,16 @@
 """One layer of the compressed cache: per-(batch, KV head) segments of their own length that really free memory.
 
-Storage is one buffer per layer, ``keys``/``values`` of shape (b, h_kv, capacity, d). Segment (b, h) holds
-``lengths[b, h]`` entries kept from the compressed context, then ``tail`` entries appended after compression
-(question and generated tokens), which every segment shares. Before compression the layer is *dense*: all
-``lengths`` are 0 and the tail is the whole prompt, exactly as transformers' ``DynamicLayer`` stores it.
-Logical bookkeeping (``seen``) keeps counting every token ever written, so positions and masks built by
-transformers stay those of the uncompressed sequence.
+Two parts:
+
+* the compressed **context**, flat: ``context_keys``/``context_values`` (N, d) hold the kept entries of every
+  segment back to back (segment s = b * h_kv + h, in order), ``lengths`` (b, h_kv) their counts. Exactly the
+  kept entries are stored: head-wise budgets (AdaKV, HeadKV) waste nothing on padding.
+* the **tail**, dense: ``keys``/``values`` (b, h_kv, capacity, d) hold what is appended after compression
+  (question and generated tokens), the same count for every segment, grown geometrically (amortised O(1)).
+
+Before compression the layer is *dense*: no context part, and the tail is the whole prompt, stored exactly as
+transformers' ``DynamicLayer`` stores it. Logical bookkeeping (``seen``) counts every token ever written, so
+positions and masks built by transformers stay those of the uncompressed sequence.
 """
 
 from __future__ import annotations
@@ -24,33 +29,28 @@ class CompressedLayer(CacheLayerMixin):
 
     def __init__(self) -> None:
         super().__init__()
+        self.context_keys: torch.Tensor | None = None  # (N, d) kept context entries, segment after segment
+        self.context_values: torch.Tensor | None = None  # (N, d)
         self.lengths: torch.Tensor | None = None  # (b, h_kv) long: kept context entries per segment
-        self.tail = 0  # entries appended after the compressed context, shared by every segment
+        self.tail = 0  # entries appended to the tail, shared by every segment
         self.seen = 0  # logical length: every token written so far
         self.context_seen = 0  # logical length at compression time (0 while dense)
         self.fresh = False  # True right after the first (prefill) update, until compression or the next update
 
-    # --- state -----------------------------------------------------------------------------------------------
+    # --- state -------------------------------------------------------------------------------------------
     @property
     def is_compressed(self) -> bool:
-        return self.context_seen > 0
-
-    @property
-    def used(self) -> int:
-        """Physical slots in use along the sequence axis (the longest segment)."""
-        return 0 if self.lengths is None else int(self.lengths.max()) + self.tail
+        return self.context_keys is not None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        b, h, _, _ = key_states.shape
-        self.lengths = torch.zeros(b, h, dtype=torch.long, device=self.device)
         self.is_initialized = True
 
-    # --- transformers' Cache contract ------------------------------------------------------------------------
+    # --- transformers' Cache contract --------------------------------------------------------------------
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append (b, h_kv, q, d) new states; return the physical keys and values (b, h_kv, used, d)."""
+        """Append (b, h_kv, q, d) new states; return the tail (b, h_kv, tail, d): for a dense layer, everything."""
         q = key_states.shape[-2]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -59,21 +59,12 @@ class CompressedLayer(CacheLayerMixin):
             self.fresh = True
             return self.keys, self.values
         self.fresh = False
-        self._reserve(self.used + q)
-        lengths = self.lengths
-        if bool((lengths == lengths.view(-1)[0]).all()):  # every segment equally long: one slice write
-            start = int(lengths.view(-1)[0]) + self.tail
-            self.keys[:, :, start : start + q] = key_states
-            self.values[:, :, start : start + q] = value_states
-        else:
-            slots = (lengths + self.tail)[:, :, None] + torch.arange(q, device=self.device)  # (b, h, q)
-            slots = slots[..., None].expand(-1, -1, -1, key_states.shape[-1])
-            self.keys.scatter_(2, slots, key_states)
-            self.values.scatter_(2, slots, value_states)
+        self._reserve(self.tail + q)
+        self.keys[:, :, self.tail : self.tail + q] = key_states
+        self.values[:, :, self.tail : self.tail + q] = value_states
         self.tail += q
         self.seen += q
-        used = self.used
-        return self.keys[:, :, :used], self.values[:, :, :used]
+        return self.keys[:, :, : self.tail], self.values[:, :, : self.tail]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
@@ -90,14 +81,12 @@ class CompressedLayer(CacheLayerMixin):
             raise CacheStateError("crop takes a negative count of tokens to remove")
         n = -tokens_to_remove
         if n > self.tail:
-            raise CacheStateError(
-                f"cannot remove {n} tokens: only {self.tail} were appended after the compressed context"
-            )
+            raise CacheStateError(f"cannot remove {n} tokens: only {self.tail} were appended after the context")
         self.tail -= n
         self.seen -= n
 
     def reset(self) -> None:
-        self.keys = self.values = self.lengths = None
+        self.keys = self.values = self.lengths = self.context_keys = self.context_values = None
         self.tail = self.seen = self.context_seen = 0
         self.fresh = self.is_initialized = False
 
@@ -105,18 +94,26 @@ class CompressedLayer(CacheLayerMixin):
         self.batch_select_indices(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            indices = indices.to(self.device)
-            self.keys, self.values = self.keys[indices], self.values[indices]
+        if not self.is_initialized:
+            return
+        indices = indices.to(self.device)
+        self.keys, self.values = self.keys[indices], self.values[indices]
+        if self.is_compressed:
+            h = self.lengths.shape[1]
+            segments = (indices[:, None] * h + torch.arange(h, device=self.device)).flatten()
+            starts = self.offsets()[segments]
+            counts = self.lengths.flatten()[segments]
+            rows = torch.repeat_interleave(starts - torch.cumsum(counts, 0) + counts, counts)
+            rows = rows + torch.arange(int(counts.sum()), device=self.device)
+            self.context_keys, self.context_values = self.context_keys[rows], self.context_values[rows]
             self.lengths = self.lengths[indices]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self.keys = self.keys.repeat_interleave(repeats, dim=0)
-            self.values = self.values.repeat_interleave(repeats, dim=0)
-            self.lengths = self.lengths.repeat_interleave(repeats, dim=0)
+            b = self.keys.shape[0]
+            self.batch_select_indices(torch.arange(b, device=self.device).repeat_interleave(repeats))
 
-    # --- compression -----------------------------------------------------------------------------------------
+    # --- compression -------------------------------------------------------------------------------------
     def compress(self, keep: torch.Tensor) -> None:
         """Keep the entries of a keep mask (b, h_kv, t) of the prompt; the rest is freed.
 
@@ -126,51 +123,47 @@ class CompressedLayer(CacheLayerMixin):
             raise CacheStateError("a layer is compressed once, right after its prefill")
         if keep.shape != (*self.keys.shape[:2], self.seen):
             raise CacheStateError(f"keep mask {tuple(keep.shape)} does not match the cache {tuple(self.keys.shape)}")
-        counts = keep.sum(-1)  # (b, h)
-        width = int(counts.max())
-        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :width]  # kept positions first
-        index = order[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        self.keys = self.keys.gather(2, index)  # a new (b, h, width, d) buffer; the prompt's is released
-        self.values = self.values.gather(2, index)
-        self.lengths = counts
+        b, h, _, d = self.keys.shape
+        flat = keep.reshape(b * h, -1)
+        segment, position = flat.nonzero(as_tuple=True)  # row-major: segment by segment, positions ascending
+        self.context_keys = self.keys.reshape(b * h, -1, d)[segment, position]  # (N, d), a new buffer
+        self.context_values = self.values.reshape(b * h, -1, d)[segment, position]
+        self.lengths = keep.sum(-1)
+        self.keys = self.keys.new_empty((b, h, 0, d))  # the prompt-sized buffer is released
+        self.values = self.values.new_empty((b, h, 0, d))
         self.tail = 0
         self.context_seen = self.seen
         self.fresh = False
 
-    def physical_mask(self, logical_mask: torch.Tensor | None, query_length: int) -> torch.Tensor:
-        """Which physical slots each query may read: (b, h_kv, q, used) bool.
+    def offsets(self) -> torch.Tensor:
+        """Start of each segment in the flat context: (b * h_kv + 1,) long."""
+        counts = self.lengths.flatten()
+        return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
 
-        Kept context entries are visible to every later query; appended entries follow the logical mask
-        transformers built for the uncompressed sequence (causality, padding of appended tokens).
-        """
-        b, h = self.lengths.shape
-        used = self.used
-        slot = torch.arange(used, device=self.device)  # (used,)
-        in_context = slot[None, None, :] < self.lengths[:, :, None]  # (b, h, used)
-        k = slot[None, None, :] - self.lengths[:, :, None]  # index into the tail
-        in_tail = (k >= 0) & (k < self.tail)
-        if logical_mask is None:
-            query_pos = self.seen - query_length + torch.arange(query_length, device=self.device)  # (q,)
-            tail_pos = self.context_seen + k  # (b, h, used)
-            visible = tail_pos[:, :, None, :] <= query_pos[None, None, :, None]  # (b, h, q, used)
-        else:
-            tail_mask = as_bool_mask(logical_mask)[:, 0, :, self.context_seen : self.seen]  # (b, q, tail)
-            index = k.clamp(0, max(self.tail - 1, 0))[:, :, None, :].expand(b, h, query_length, used)
-            visible = tail_mask[:, None].expand(b, h, query_length, -1).gather(-1, index)
-        return in_context[:, :, None, :] | (in_tail[:, :, None, :] & visible)
+    def tail_mask(self, logical_mask: torch.Tensor | None, query_length: int) -> torch.Tensor:
+        """Which tail entries each query may read: (b, 1, q, tail) bool. The context is visible to all."""
+        if logical_mask is None:  # no padding: causal over logical positions
+            query_pos = self.seen - query_length + torch.arange(query_length, device=self.device)
+            tail_pos = self.context_seen + torch.arange(self.tail, device=self.device)
+            return (tail_pos[None, :] <= query_pos[:, None])[None, None]
+        return as_bool_mask(logical_mask)[:, :, :, self.context_seen : self.seen]
 
-    # --- accounting ------------------------------------------------------------------------------------------
+    # --- accounting --------------------------------------------------------------------------------------
     def nbytes(self) -> int:
-        """Bytes of key and value storage this layer holds (allocated capacity, not only used slots)."""
+        """Bytes this layer holds: key/value storage (tail capacity included) and its bookkeeping."""
         if not self.is_initialized:
             return 0
-        return self.keys.nbytes + self.values.nbytes
+        total = self.keys.nbytes + self.values.nbytes
+        if self.is_compressed:
+            total += self.context_keys.nbytes + self.context_values.nbytes + self.lengths.nbytes
+        return total
 
     def entries(self) -> int:
         """Cached (batch, head, token) entries, summed over segments."""
         if not self.is_initialized:
             return 0
-        return int(self.lengths.sum()) + self.tail * self.lengths.numel()
+        context = int(self.lengths.sum()) if self.is_compressed else 0
+        return context + self.tail * self.keys.shape[0] * self.keys.shape[1]
 
     def _reserve(self, needed: int) -> None:
         capacity = self.keys.shape[2]

@@ -30,6 +30,7 @@ class LayerRecord:
     before: torch.Tensor  # (b,) real entries per head before compression
     kept: torch.Tensor  # (b, h_kv) entries kept per head
     kept_whole: torch.Tensor  # (b,) bool
+    keep: torch.Tensor | None = None  # (b, h_kv, t) bool keep mask, when the compressor records them
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Compressor:
     method: Method
     budget: Budget
     records: list[LayerRecord] = field(default_factory=list)
+    record_keep: bool = False  # also store each layer's keep mask (for analysis and reference comparisons)
     active_cache: CompressedCache | None = None
 
     def __post_init__(self) -> None:
@@ -129,4 +131,8 @@ class Compressor:
             layer.fresh = False
         else:
             layer.compress(decision.keep)
-        self.records.append(LayerRecord(module.layer_idx, view.lengths, decision.budgets, decision.kept_whole))
+        keep = None
+        if self.record_keep:
+            whole = view.valid[:, None, :].expand(-1, keys.shape[1], -1)  # a layer kept whole keeps every real entry
+            keep = whole.clone() if decision.keep is None else decision.keep
+        self.records.append(LayerRecord(module.layer_idx, view.lengths, decision.budgets, decision.kept_whole, keep))

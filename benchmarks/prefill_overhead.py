@@ -1,0 +1,71 @@
+"""Prefill time of compressed methods against no compression (median of N runs), on one prompt.
+
+    python benchmarks/prefill_overhead.py --model smollm2-135m --tokens 4096 --repeats 5 \
+        --methods full,snapkv,critical-snapkv --out results/prefill_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts
+from criticalkv.models.presets import load_model
+from criticalkv.runtime.session import ContextSession
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--budget", default="0.2")
+    parser.add_argument("--methods", default="full,snapkv,critical-snapkv")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--out", type=Path, default=Path("results/prefill_overhead.json"))
+    args = parser.parse_args()
+
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    sample = build_needle_sample(tokenizer, args.tokens, seed=0)
+    prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
+    prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
+    ids = torch.tensor([prefix_ids + suffix_ids])
+    methods = [m.strip() for m in args.methods.split(",")]
+    sessions = {name: ContextSession(model, name, args.budget) for name in methods}
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    sessions[methods[0]].prefill(ids)  # warm-up
+    for _ in range(args.repeats):  # interleaved, so drifts of the machine hit every method alike
+        for name in methods:
+            start = time.perf_counter()
+            sessions[name].prefill(ids)
+            times[name].append(time.perf_counter() - start)
+    base = statistics.median(times[methods[0]])
+    report = {
+        "command": "python benchmarks/prefill_overhead.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "model": args.model,
+        "prompt_tokens": ids.shape[1],
+        "budget": args.budget,
+        "dtype": str(next(model.parameters()).dtype),
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "seconds": times,
+        "median_seconds": {name: statistics.median(t) for name, t in times.items()},
+        "ratio_to_first": {name: statistics.median(t) / base for name, t in times.items()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    for name in methods:
+        print(f"{name:18s} median {report['median_seconds'][name]:7.3f} s   x{report['ratio_to_first'][name]:.3f}")
+
+
+if __name__ == "__main__":
+    main()

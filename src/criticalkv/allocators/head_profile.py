@@ -1,0 +1,422 @@
+"""Head-importance profiles for HeadKV: which KV heads of a model retrieve from the context, measured once per
+model on needle-in-a-haystack prompts and shipped (or cached) as JSON.
+
+A profile is a (layers x kv_heads) matrix plus the model shape it was measured on, so it can refuse a model
+of another shape. ``calibrate_head_profile`` measures one; ``load_profile`` finds one for a config.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from criticalkv.errors import CriticalKVError
+from criticalkv.models.families import head_dim, text_config
+
+FORMAT = "criticalkv-head-profile/1"
+#: Shape fields a profile must share with a model's config to be used on it.
+SHAPE_FIELDS = ("model_type", "num_layers", "num_heads", "num_kv_heads", "hidden_size")
+USER_PROFILE_DIR = "head_profiles"  # under criticalkv's cache root: where calibrate-heads saves by default
+
+
+class HeadProfileError(CriticalKVError):
+    """No head profile for this model, or a profile measured on a model of another shape."""
+
+
+def _calibrate_hint(config: PretrainedConfig | None = None) -> str:
+    name = getattr(config, "name_or_path", "") or "M"
+    return (
+        f"measure one with `criticalkv calibrate-heads --model {name}` (a few minutes on CPU) and pass it as "
+        "HeadKVAllocator(profile=HeadProfile.load(path)), or save it where load_profile looks"
+    )
+
+
+def config_shape(config: PretrainedConfig) -> dict[str, Any]:
+    """The shape facts of a model config a profile is matched on (text config of multimodal wrappers)."""
+    text = text_config(config)
+    return {
+        "model_type": getattr(text, "model_type", None),
+        "num_layers": int(text.num_hidden_layers),
+        "num_heads": int(text.num_attention_heads),
+        "num_kv_heads": int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads),
+        "head_dim": int(head_dim(text)),
+        "hidden_size": int(text.hidden_size),
+    }
+
+
+def _describe(shape: dict[str, Any]) -> str:
+    return (
+        f"{shape['model_type']} with {shape['num_layers']} layers, {shape['num_heads']} query / "
+        f"{shape['num_kv_heads']} KV heads, hidden size {shape['hidden_size']}"
+    )
+
+
+@dataclass
+class HeadProfile:
+    """Importance of every KV head of a model: a (num_layers, num_kv_heads) matrix, higher = more budget.
+
+    Parameters
+    ----------
+    importance
+        ``importance[layer][kv_head]`` > 0.
+    model_type, num_layers, num_heads, num_kv_heads, head_dim, hidden_size
+        The shape of the model it was measured on (``num_heads`` are query heads).
+    name
+        A label, e.g. the model preset (``"smollm2-135m"``).
+    measurement
+        How it was measured: method, samples, lengths, depths, seed, date, wall time, versions, ...
+    query_scores
+        Optional per-query-head scores (num_layers, num_heads) the importance was reduced from.
+    """
+
+    importance: list[list[float]]
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    name: str = ""
+    measurement: dict[str, Any] = field(default_factory=dict)
+    query_scores: list[list[float]] | None = None
+
+    def __post_init__(self) -> None:
+        matrix = self.matrix
+        if tuple(matrix.shape) != (self.num_layers, self.num_kv_heads):
+            raise HeadProfileError(
+                f"head profile {self.name!r}: importance is {tuple(matrix.shape)}, expected "
+                f"(num_layers, num_kv_heads) = ({self.num_layers}, {self.num_kv_heads})"
+            )
+        if not bool(torch.isfinite(matrix).all()) or bool((matrix <= 0).any()):
+            raise HeadProfileError(f"head profile {self.name!r}: importances must be finite and > 0")
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise HeadProfileError(
+                f"head profile {self.name!r}: {self.num_heads} query heads are not a multiple of "
+                f"{self.num_kv_heads} KV heads"
+            )
+
+    @property
+    def matrix(self) -> torch.Tensor:
+        """The importance matrix (num_layers, num_kv_heads), float64."""
+        return torch.tensor(self.importance, dtype=torch.float64).reshape(len(self.importance), -1)
+
+    @property
+    def shape(self) -> dict[str, Any]:
+        return {
+            "model_type": self.model_type,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_size": self.hidden_size,
+        }
+
+    @classmethod
+    def from_config(
+        cls, config: PretrainedConfig, importance: torch.Tensor | Sequence[Sequence[float]], **kwargs: Any
+    ) -> HeadProfile:
+        """A profile for ``config``'s shape with the given (num_layers, num_kv_heads) importances."""
+        rows = torch.as_tensor(importance, dtype=torch.float64).tolist()
+        return cls(importance=rows, **config_shape(config), **kwargs)
+
+    def mismatches(self, config: PretrainedConfig) -> list[str]:
+        """The shape fields on which this profile and ``config`` differ, as ``"field: profile vs model"``."""
+        model = config_shape(config)
+        return [f"{k}: {self.shape[k]} vs {model[k]}" for k in SHAPE_FIELDS if self.shape[k] != model[k]]
+
+    def check(self, config: PretrainedConfig) -> None:
+        """Raise ``HeadProfileError`` unless this profile was measured on a model of ``config``'s shape."""
+        wrong = self.mismatches(config)
+        if wrong:
+            raise HeadProfileError(
+                f"head profile {self.name or '<unnamed>'!r} is for another model: it was measured on "
+                f"{_describe(self.shape)}, this model is {_describe(config_shape(config))} "
+                f"({'; '.join(wrong)}). {_calibrate_hint(config).capitalize()}."
+            )
+
+    # --- JSON ------------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"format": FORMAT, "name": self.name, "model": self.shape}
+        out["measurement"] = self.measurement
+        out["importance"] = [[round(float(x), 6) for x in row] for row in self.importance]
+        if self.query_scores is not None:
+            out["query_scores"] = [[round(float(x), 6) for x in row] for row in self.query_scores]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HeadProfile:
+        if data.get("format") != FORMAT:
+            raise HeadProfileError(f"not a criticalkv head profile (format {data.get('format')!r}, want {FORMAT!r})")
+        try:
+            return cls(
+                importance=data["importance"],
+                name=data.get("name", ""),
+                measurement=data.get("measurement", {}),
+                query_scores=data.get("query_scores"),
+                **{k: data["model"][k] for k in (*SHAPE_FIELDS, "head_dim")},
+            )
+        except (KeyError, TypeError) as exc:
+            raise HeadProfileError(f"malformed head profile: missing or bad field {exc}") from None
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> HeadProfile:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise HeadProfileError(f"cannot read head profile {path}: {exc}") from None
+        return cls.from_dict(data)
+
+
+# --- finding a profile -----------------------------------------------------------------------------------------
+
+
+def user_profile_dir() -> Path:
+    """Where ``criticalkv calibrate-heads`` saves profiles by default: ``<cache root>/head_profiles``."""
+    from criticalkv.models.presets import cache_root
+
+    return cache_root() / USER_PROFILE_DIR
+
+
+def _candidate_files() -> Iterable[tuple[str, Any]]:
+    """(label, readable path) of every profile JSON: the user's own first, then the shipped ones."""
+    user = user_profile_dir()
+    if user.is_dir():
+        for path in sorted(user.glob("*.json")):
+            yield str(path), path
+    shipped = files("criticalkv.allocators").joinpath("profiles")
+    if shipped.is_dir():
+        for entry in sorted(shipped.iterdir(), key=lambda p: p.name):
+            if entry.name.endswith(".json"):
+                yield f"criticalkv/allocators/profiles/{entry.name}", entry
+
+
+def available_profiles() -> list[tuple[str, HeadProfile]]:
+    """Every readable profile (user cache dir, then shipped), with where it came from."""
+    found = []
+    for label, entry in _candidate_files():
+        try:
+            found.append((label, HeadProfile.from_dict(json.loads(entry.read_text(encoding="utf-8")))))
+        except (OSError, json.JSONDecodeError, HeadProfileError):
+            continue  # a broken file must not hide the others
+    return found
+
+
+def load_profile(config: PretrainedConfig) -> HeadProfile:
+    """The head profile for a model config: the first one (user cache dir, then shipped) of the same shape.
+
+    Raises
+    ------
+    HeadProfileError
+        None matches: the message lists the profiles there are, what differs, and how to measure one.
+    """
+    found = available_profiles()
+    for _, profile in found:
+        if not profile.mismatches(config):
+            return profile
+    shape = config_shape(config)
+    if found:
+        others = "; ".join(f"{p.name or label} ({_describe(p.shape)})" for label, p in found)
+        listing = f"the profiles there are are for other models: {others}"
+    else:
+        listing = "no head profile is installed"
+    raise HeadProfileError(
+        f"no HeadKV head profile for this model ({_describe(shape)}): {listing}. {_calibrate_hint(config).capitalize()}"
+        f" ({user_profile_dir()})."
+    )
+
+
+# --- calibration -----------------------------------------------------------------------------------------------
+
+
+def _needle_span(tokenizer: PreTrainedTokenizerBase, prefix: str, needle: str, n_tokens: int) -> tuple[int, int]:
+    """Token span [start, end) of the needle sentence inside the prefix as ``encode_prompt_parts`` encodes it."""
+    start_char = prefix.find(needle)
+    if start_char < 0:
+        raise CriticalKVError("the needle is not in the prompt prefix")
+    end_char = start_char + len(needle)
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    enc = tokenizer(prefix, add_special_tokens=not templated, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    if len(offsets) != n_tokens:
+        raise CriticalKVError("tokenizing the prefix with offsets gave another tokenization")
+    inside = [i for i, (a, b) in enumerate(offsets) if b > start_char and a < end_char and b > a]
+    return inside[0], inside[-1] + 1
+
+
+@torch.no_grad()
+def _sample_hits(
+    model: PreTrainedModel, prompt: list[int], answer: list[int], span: tuple[int, int], copy: list[bool]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hit rates (layers, q_heads) of one sample: top-k (k = needle length) and top-1 (Wu et al.).
+
+    The prompt is prefilled with the model's own attention; the answer is then teacher-forced with eager
+    attention so that only the (answer x context) attention rows are materialised.
+    """
+    device = model.device
+    out = model(input_ids=torch.tensor([prompt[:-1]], device=device), use_cache=True, logits_to_keep=1)
+    forced = torch.tensor([[prompt[-1], *answer[:-1]]], device=device)  # query s produces answer[s]
+    base = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        out = model(input_ids=forced, past_key_values=out.past_key_values, output_attentions=True, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(base)
+    attn = torch.stack([a[0].float() for a in out.attentions])  # (layers, h_q, n_answer, keys)
+    keys = attn.shape[-1]
+    ids = torch.tensor(prompt + answer[:-1], device=attn.device)[:keys]  # token at every key position
+    in_needle = torch.zeros(keys, dtype=torch.bool, device=attn.device)
+    in_needle[span[0] : span[1]] = True
+    steps = torch.tensor(copy, device=attn.device)  # (n_answer,) which answer tokens are copied from the needle
+    target = torch.tensor(answer, device=attn.device)
+    # match[s, j]: key j is a needle token equal to the token answer step s produces (Wu et al.'s copy test)
+    match = in_needle[None, :] & (ids[None, :] == target[:, None])  # (n_answer, keys)
+    k = min(span[1] - span[0], keys)
+    rates = []
+    for kk in (k, 1):
+        top = attn.topk(kk, dim=-1).indices  # (layers, h_q, n_answer, kk)
+        hit = match[None, None].expand(*top.shape[:2], -1, -1).gather(-1, top).any(-1)  # (layers, h_q, n_answer)
+        rates.append(hit[..., steps].float().mean(-1))
+    return rates[0], rates[1]
+
+
+def calibrate_head_profile(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    samples: int = 8,
+    lengths: Sequence[int] = (1024, 2048),
+    seed: int = 0,
+    progress: bool = True,
+    floor: float = 0.01,
+    name: str = "",
+) -> HeadProfile:
+    """Measure a model's head-importance profile on needle-in-a-haystack prompts (HeadKV's calibration).
+
+    For every length and ``samples`` needle depths spread over (0, 1), the prompt (context with the needle,
+    question, answer prefix) is prefilled and the needle's value is teacher-forced as the answer. For each answer
+    token copied from the needle, a query head scores a hit when one of its ``k`` most attended positions is a
+    needle token equal to that answer token, with ``k`` = the needle's length in tokens: Wu et al.'s retrieval
+    score (top-1) widened to the top-k as HeadKV's retrieval-reasoning score does, which also credits heads that
+    read the needle without putting their single largest weight on the copied token. A query head's score is its
+    hit rate averaged over samples; a KV head's importance is the mean over its GQA group plus ``floor``, so no
+    head is starved of budget. The top-1 (Wu et al.) rates are kept in the profile's measurement for reference.
+
+    Parameters
+    ----------
+    model, tokenizer
+        A supported causal LM and its tokenizer; the model's attention implementation is switched to eager for
+        the teacher-forced forward and restored.
+    samples
+        Needle depths per length (``samples * len(lengths)`` prompts in all).
+    lengths
+        Context lengths in tokens.
+    seed
+        Seeds the needles (keys and values).
+    progress
+        Show a progress bar.
+    floor
+        Added to every KV head's importance (hit rates are in [0, 1]).
+    name
+        Label stored in the profile (e.g. the model preset).
+    """
+    from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts
+
+    if samples < 1 or not lengths:
+        raise CriticalKVError("calibration needs samples >= 1 and at least one length")
+    shape = config_shape(model.config)
+    layers, h_q, h_kv = shape["num_layers"], shape["num_heads"], shape["num_kv_heads"]
+    depths = [(i + 0.5) / samples for i in range(samples)]
+    jobs = [(n, d, seed * 100_003 + j * samples + i) for j, n in enumerate(lengths) for i, d in enumerate(depths)]
+    topk_sum = torch.zeros(layers, h_q, dtype=torch.float64)
+    top1_sum = torch.zeros(layers, h_q, dtype=torch.float64)
+    start = time.perf_counter()
+
+    bar = None
+    if progress:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar = Progress(TextColumn("calibrating heads"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        bar.start()
+        task = bar.add_task("", total=len(jobs))
+    try:
+        for n, depth, sample_seed in jobs:
+            sample = build_needle_sample(tokenizer, n, depth, seed=sample_seed)
+            prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
+            prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
+            span = _needle_span(tokenizer, prefix, sample.needle, len(prefix_ids))
+            answer = tokenizer(" " + sample.answer, add_special_tokens=False)["input_ids"]
+            value_tokens = set(prefix_ids[span[0] : span[1]])
+            copy = [tok in value_tokens and any(c.isdigit() for c in tokenizer.decode([tok])) for tok in answer]
+            if not any(copy):
+                raise CriticalKVError(f"the answer {sample.answer!r} shares no token with its needle")
+            top_k, top_1 = _sample_hits(model, prefix_ids + suffix_ids, answer, span, copy)
+            topk_sum += top_k.double().cpu()
+            top1_sum += top_1.double().cpu()
+            if bar is not None:
+                bar.advance(task)
+    finally:
+        if bar is not None:
+            bar.stop()
+
+    query_scores = topk_sum / len(jobs)  # (layers, h_q)
+    importance = query_scores.view(layers, h_kv, h_q // h_kv).mean(-1) + floor  # (layers, h_kv)
+    wall = time.perf_counter() - start
+    import transformers
+
+    measurement = {
+        "method": "needle retrieval: hit when a needle token equal to the copied answer token is among the head's "
+        "top-k attended positions, k = needle length in tokens (HeadKV's top-k widening of Wu et al.'s "
+        "retrieval score); query-head hit rates averaged over samples, mean over the GQA group, + floor",
+        "samples": len(jobs),
+        "samples_per_length": samples,
+        "lengths": list(lengths),
+        "depths": depths,
+        "seed": seed,
+        "floor": floor,
+        "teacher_forced": True,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "date": _dt.date.today().isoformat(),
+        "wall_seconds": round(wall, 1),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "retrieval_top1": [[round(float(x), 6) for x in row] for row in (top1_sum / len(jobs)).tolist()],
+    }
+    return HeadProfile(
+        importance=importance.tolist(),
+        name=name,
+        measurement=measurement,
+        query_scores=query_scores.tolist(),
+        **shape,
+    )
+
+
+def calibrate_preset(
+    model: str = "smollm2-135m", out: str | Path | None = None, dtype: str = "float32", **options: Any
+) -> tuple[HeadProfile, Path]:
+    """Load a model (preset name or folder), calibrate it and save the profile; what ``calibrate-heads`` runs.
+
+    ``out`` defaults to ``<cache root>/head_profiles/<name>.json``, where ``load_profile`` finds it.
+    """
+    from criticalkv.models.presets import load_model
+
+    loaded, tokenizer = load_model(model, dtype=dtype)
+    label = Path(model).name if Path(model).exists() else model
+    profile = calibrate_head_profile(loaded, tokenizer, name=label, **options)
+    path = Path(out) if out is not None else user_profile_dir() / f"{label}.json"
+    return profile, profile.save(path)
