@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,10 @@ class Budget:
 
     def __post_init__(self) -> None:
         v = self.value
+        if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+            object.__setattr__(self, "value", v := int(v))
+        elif isinstance(v, numbers.Real) and not isinstance(v, bool):
+            object.__setattr__(self, "value", v := float(v))
         if isinstance(v, bool) or not isinstance(v, int | float):
             raise BudgetError(f"budget must be a number, got {v!r}")
         if isinstance(v, float) and not math.isfinite(v):
@@ -77,4 +82,4 @@ class Budget:
         return torch.clamp(lengths, max=int(self.value))
 
     def __str__(self) -> str:
-        return f"{self.value:g}" if self.is_fraction else f"{self.value} tokens"
+        return f"{self.value:g}" if self.is_fraction else f"{self.value} entries per head"

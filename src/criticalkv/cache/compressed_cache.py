@@ -8,6 +8,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from criticalkv.cache.compressed_layer import CompressedLayer
+from criticalkv.errors import CacheStateError
 
 if TYPE_CHECKING:
     from criticalkv.runtime.compressor import Compressor
@@ -31,8 +32,12 @@ class CompressedCache(Cache):
         self.compressor = compressor
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        if self.compressor is not None:
-            self.compressor.active_cache = self  # the attention function right after this call reads it
+        if self.compressor is None or not self.compressor.installed:
+            raise CacheStateError(
+                "a CompressedCache is read by criticalkv's attention function: use it inside criticalkv.compress(...) "
+                "or through a ContextSession, never with the model's plain attention"
+            )
+        self.compressor.active_cache = self  # the attention function right after this call reads it
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def nbytes(self) -> int:

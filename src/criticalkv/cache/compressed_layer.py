@@ -119,7 +119,7 @@ class CompressedLayer(CacheLayerMixin):
 
         Kept entries stay in their original order. Allowed once, right after the prefill.
         """
-        if self.is_compressed or self.tail != self.seen:
+        if not self.fresh:
             raise CacheStateError("a layer is compressed once, right after its prefill")
         if keep.shape != (*self.keys.shape[:2], self.seen):
             raise CacheStateError(f"keep mask {tuple(keep.shape)} does not match the cache {tuple(self.keys.shape)}")

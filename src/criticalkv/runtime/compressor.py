@@ -47,6 +47,8 @@ class Compressor:
     def __post_init__(self) -> None:
         check_supported(self.model.config)
         self.base_implementation = self.model.config._attn_implementation
+        if self.base_implementation.startswith("criticalkv_"):
+            raise CacheStateError("this model is already inside criticalkv.compress(...); blocks do not nest")
         if self.base_implementation not in attention.BASE_IMPLEMENTATIONS:
             raise UnsupportedModelError(
                 f"attention implementation {self.base_implementation!r} is not supported; "
@@ -56,7 +58,13 @@ class Compressor:
         self._hook = None
 
     # --- install / uninstall ---------------------------------------------------------------------------------
+    @property
+    def installed(self) -> bool:
+        return self._hook is not None
+
     def install(self) -> Compressor:
+        if self.model.config._attn_implementation.startswith("criticalkv_"):
+            raise CacheStateError("this model is already inside criticalkv.compress(...); blocks do not nest")
         attention.register()
         for module in self.modules:
             module._criticalkv = self
@@ -69,6 +77,7 @@ class Compressor:
             self._hook.remove()
             self._hook = None
         self.model.set_attn_implementation(self.base_implementation)
+        self.active_cache = None
         for module in self.modules:
             module.__dict__.pop("_criticalkv", None)
 
@@ -88,6 +97,7 @@ class Compressor:
 
     def _provide_cache(self, module: nn.Module, args: tuple, kwargs: dict):
         if kwargs.get("use_cache") is False:
+            self.active_cache = None  # this forward uses no cache: no layer of an earlier one applies
             return None
         name = "past_key_values" if "past_key_values" in kwargs else "cache"
         cache = kwargs.get(name)

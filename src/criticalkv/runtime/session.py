@@ -65,6 +65,8 @@ class ContextSession:
         """Prefill (and compress) the context: input_ids (b, t), left-padded if rows differ. Returns the last
         position's logits (b, vocab)."""
         self.cache = self.compressor.new_cache() if self.compressor else DynamicCache(config=self.model.config)
+        # Sliding-window layers (Gemma 3) drop what leaves their window unless told to keep it for a rewind.
+        self.cache.activate_past_recording()
         self.mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         self.context_length = 0
         if self.compressor is not None:
@@ -73,6 +75,7 @@ class ContextSession:
         logits = self._forward(input_ids, self.mask)
         self.prefill_seconds = time.perf_counter() - start
         self.context_length = input_ids.shape[1]
+        self.cache.crop(0)  # sliding layers trim back to their window now that the context is in
         self.last_logits = logits
         return logits
 
@@ -105,6 +108,8 @@ class ContextSession:
         full_mask = self.mask_with_pending
         for step in range(max_new_tokens):
             token = logits.argmax(-1)  # (b,)
+            if eos.numel():
+                token = torch.where(done, eos[0], token)  # finished rows repeat their end-of-sequence token
             result.tokens = torch.cat([result.tokens, token[:, None]], dim=1)
             done |= torch.isin(token, eos)
             if bool(done.all()) or step == max_new_tokens - 1:

@@ -1,0 +1,360 @@
+"""The compressed cache layer and the attention over its per-(batch, KV head) segments.
+
+The layer's storage layout is an implementation detail (one padded buffer, or a flat context plus a dense
+tail); the helpers below read kept entries, tail and storage in either layout, and attention is checked
+through whichever function the library provides against a naive dense reference.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from criticalkv.cache import CompressedCache, CompressedLayer
+from criticalkv.cache import attention as attention_module
+from criticalkv.cache.attention import as_bool_mask
+from criticalkv.errors import CacheStateError
+
+masked_attention = getattr(attention_module, "masked_attention", None)
+
+# ----------------------------------------------------------------------------------------------------------------
+# layout-agnostic access to a CompressedLayer
+
+
+def _flat(layer: CompressedLayer) -> bool:
+    return getattr(layer, "context_keys", None) is not None
+
+
+def _context(layer: CompressedLayer, bi: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept context keys and values of segment (bi, hi): (n, d) each."""
+    n = int(layer.lengths[bi, hi])
+    if _flat(layer):
+        s = bi * layer.lengths.shape[1] + hi
+        start = int(layer.lengths.flatten()[:s].sum())
+        return layer.context_keys[start : start + n], layer.context_values[start : start + n]
+    return layer.keys[bi, hi, :n], layer.values[bi, hi, :n]
+
+
+def _tail(layer: CompressedLayer, bi: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entries appended after compression to segment (bi, hi): (tail, d) each."""
+    if _flat(layer):
+        return layer.keys[bi, hi, : layer.tail], layer.values[bi, hi, : layer.tail]
+    n = int(layer.lengths[bi, hi])
+    return layer.keys[bi, hi, n : n + layer.tail], layer.values[bi, hi, n : n + layer.tail]
+
+
+def _storage_bytes(layer: CompressedLayer) -> int:
+    """Bytes of key/value tensors the layer holds (allocated capacity), without bookkeeping."""
+    total = layer.keys.nbytes + layer.values.nbytes
+    if _flat(layer):
+        total += layer.context_keys.nbytes + layer.context_values.nbytes
+    return total
+
+
+def _attend(layer, query, keys_out, values_out, logical_mask, scaling):
+    """Attention of ``query`` over a compressed layer, given what ``layer.update`` returned."""
+    q = query.shape[2]
+    if hasattr(attention_module, "segment_attention"):
+        tail_mask = layer.tail_mask(logical_mask, q)
+        return attention_module.segment_attention(query, layer, keys_out, values_out, tail_mask, scaling)
+    return masked_attention(query, keys_out, values_out, layer.physical_mask(logical_mask, q), scaling)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention
+
+
+def _naive_attention(query, keys, values, mask, scaling):
+    """repeat_kv + explicit softmax with masked entries; returns (b, q, h_q, d)."""
+    g = query.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(g, dim=1).double()
+    v = values.repeat_interleave(g, dim=1).double()
+    m = mask.repeat_interleave(g, dim=1)
+    logits = (query.double() @ k.transpose(-1, -2)) * scaling
+    probs = torch.softmax(logits.masked_fill(~m, float("-inf")), dim=-1)
+    return (probs @ v).transpose(1, 2)
+
+
+def _random_mask(b, h_kv, q, n, gen, density=0.5):
+    mask = torch.rand(b, h_kv, q, n, generator=gen) < density
+    # every row reads at least one entry; some heads read exactly one entry
+    first = torch.randint(0, n, (b, h_kv, q), generator=gen)
+    mask.scatter_(-1, first[..., None], True)
+    mask[0, 0] = False
+    mask[0, 0, :, n - 1] = True  # a 1-entry head
+    if b > 1:
+        mask[-1, -1] = False
+        mask[-1, -1, :, 0] = True
+    return mask
+
+
+_needs_masked_attention = pytest.mark.skipif(masked_attention is None, reason="no masked_attention in this layout")
+
+
+@_needs_masked_attention
+@pytest.mark.parametrize("groups", [1, 2, 7])
+@pytest.mark.parametrize("q", [1, 4])
+def test_masked_attention_matches_naive(groups, q):
+    gen = torch.Generator().manual_seed(groups * 10 + q)
+    b, h_kv, n, d = 3, 2, 13, 8
+    query = torch.randn(b, h_kv * groups, q, d, generator=gen)
+    keys = torch.randn(b, h_kv, n, d, generator=gen)
+    values = torch.randn(b, h_kv, n, d, generator=gen)
+    mask = _random_mask(b, h_kv, q, n, gen)
+    scaling = 1 / math.sqrt(d)
+    out = masked_attention(query, keys, values, mask, scaling)
+    assert out.shape == (b, q, h_kv * groups, d)
+    want = _naive_attention(query, keys, values, mask, scaling)
+    assert (out.double() - want).abs().max().item() <= 1e-5
+    # a 1-entry head returns that entry's value exactly for every query head of the group
+    for j in range(groups):
+        torch.testing.assert_close(out[0, :, j], values[0, 0, n - 1].expand(q, d), rtol=1e-6, atol=1e-6)
+
+
+@_needs_masked_attention
+def test_masked_attention_on_non_contiguous_slices():
+    gen = torch.Generator().manual_seed(5)
+    b, h_kv, g, q, d = 2, 2, 3, 1, 4
+    big_k = torch.randn(b, h_kv, 40, d, generator=gen)
+    big_v = torch.randn(b, h_kv, 40, d, generator=gen)
+    keys, values = big_k[:, :, :17], big_v[:, :, :17]  # like the used part of a larger buffer
+    query = torch.randn(b, h_kv * g, q, d, generator=gen)
+    mask = _random_mask(b, h_kv, q, 17, gen)
+    out = masked_attention(query, keys, values, mask, 0.3)
+    want = _naive_attention(query, keys, values, mask, 0.3)
+    assert (out.double() - want).abs().max().item() <= 1e-5
+
+
+def test_as_bool_mask():
+    boolean = torch.tensor([[True, False]])
+    assert as_bool_mask(boolean) is boolean
+    additive = torch.tensor([[0.0, torch.finfo(torch.float32).min]])
+    assert as_bool_mask(additive).tolist() == [[True, False]]
+    half = torch.tensor([[0.0, torch.finfo(torch.float16).min]], dtype=torch.float16)
+    assert as_bool_mask(half).tolist() == [[True, False]]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CompressedLayer
+
+
+def _prompt(b=2, h=3, t=12, d=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(b, h, t, d, generator=gen), torch.randn(b, h, t, d, generator=gen)
+
+
+def _keep_mask(b, h, t, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    keep = torch.rand(b, h, t, generator=gen) < 0.4
+    keep[..., -1] = True
+    keep[0, 0] = False
+    keep[0, 0, 3] = True  # a 1-entry segment
+    keep[-1, -1] = True  # a whole segment
+    return keep
+
+
+def _compressed(b, h, t, d, keep, seed=0):
+    k, v = _prompt(b, h, t, d, seed)
+    layer = CompressedLayer()
+    layer.update(k, v, 0)
+    layer.compress(keep)
+    return layer, k, v
+
+
+@pytest.mark.parametrize("groups", [1, 2, 7])
+@pytest.mark.parametrize("q", [1, 4])
+@pytest.mark.parametrize("logical", ["none", "causal", "padded"])
+def test_attention_over_compressed_layer_matches_naive(groups, q, logical):
+    """Attention over the kept segments + appended tail == naive dense attention with evicted entries masked."""
+    b, h_kv, t, d = 3, 2, 14, 8
+    keep = _keep_mask(b, h_kv, t, seed=groups + q)
+    layer, k, v = _compressed(b, h_kv, t, d, keep, seed=groups)
+    gen = torch.Generator().manual_seed(10 * groups + q)
+    nk, nv = torch.randn(b, h_kv, q, d, generator=gen), torch.randn(b, h_kv, q, d, generator=gen)
+    keys_out, values_out = layer.update(nk, nv, 0)
+    query = torch.randn(b, h_kv * groups, q, d, generator=gen)
+    causal = torch.ones(q, q, dtype=torch.bool).tril()  # among the q new tokens
+    tail_visible = causal[None].expand(b, q, q).clone()
+    logical_mask = None
+    if logical != "none":
+        # transformers' 4D mask over the logical sequence (t + q): context columns (ignored for compressed
+        # layers: padding is never kept) and the new tokens, here with row 1's first new token as padding
+        logical_mask = torch.ones(b, 1, q, t + q, dtype=torch.bool)
+        logical_mask[:, 0, :, t:] = causal
+        if logical == "padded" and q > 1:
+            logical_mask[1, 0, :, t] = False
+            tail_visible[1, :, 0] = False
+            logical_mask[1, 0, 0, t] = True  # a query always sees itself (transformers keeps rows non-empty)
+            tail_visible[1, 0, 0] = True
+    scaling = 1 / math.sqrt(d)
+    out = _attend(layer, query, keys_out, values_out, logical_mask, scaling)
+    assert out.shape == (b, q, h_kv * groups, d)
+    dense_k, dense_v = torch.cat([k, nk], 2), torch.cat([v, nv], 2)
+    dense_mask = torch.cat([keep[:, :, None, :].expand(b, h_kv, q, t), tail_visible[:, None].expand(b, h_kv, q, q)], -1)
+    want = _naive_attention(query, dense_k, dense_v, dense_mask, scaling)
+    assert (out.double() - want).abs().max().item() <= 1e-5
+
+
+def test_dense_prefill_is_stored_as_is():
+    layer = CompressedLayer()
+    k, v = _prompt()
+    out_k, out_v = layer.update(k, v, 0)
+    assert torch.equal(out_k, k) and torch.equal(out_v, v)
+    assert layer.fresh and not layer.is_compressed
+    assert layer.get_seq_length() == 12 and layer.entries() == 2 * 3 * 12
+    assert layer.nbytes() == k.nbytes + v.nbytes
+    assert layer.get_mask_sizes(1) == (13, 0)
+
+
+def test_compress_update_crop_cycle():
+    b, h, t, d = 2, 3, 12, 4
+    keep = _keep_mask(b, h, t)
+    layer, k, v = _compressed(b, h, t, d, keep)
+    counts = keep.sum(-1)
+    assert layer.is_compressed and not layer.fresh
+    assert torch.equal(layer.lengths, counts)
+    assert layer.entries() == int(counts.sum())
+    assert layer.get_seq_length() == t  # logical positions keep counting the whole prompt
+    assert _storage_bytes(layer) >= int(counts.sum()) * 2 * d * 4
+    assert _storage_bytes(layer) <= layer.nbytes() <= _storage_bytes(layer) + layer.lengths.nbytes
+    for bi in range(b):
+        for hi in range(h):
+            ck, cv = _context(layer, bi, hi)
+            assert torch.equal(ck, k[bi, hi, keep[bi, hi]])  # kept entries, original order
+            assert torch.equal(cv, v[bi, hi, keep[bi, hi]])
+
+    # decode: one token at a time, then a 3-token chunk
+    gen = torch.Generator().manual_seed(3)
+    new = [(torch.randn(b, h, q, d, generator=gen), torch.randn(b, h, q, d, generator=gen)) for q in (1, 1, 3)]
+    for nk, nv in new:
+        layer.update(nk, nv, 0)
+    appended_k = torch.cat([nk for nk, _ in new], dim=2)
+    appended_v = torch.cat([nv for _, nv in new], dim=2)
+    assert layer.tail == 5 and layer.get_seq_length() == t + 5
+    assert layer.entries() == int(counts.sum()) + 5 * b * h
+    assert _storage_bytes(layer) <= layer.nbytes() <= _storage_bytes(layer) + layer.lengths.nbytes
+    for bi in range(b):
+        for hi in range(h):
+            tk, tv = _tail(layer, bi, hi)
+            assert torch.equal(tk, appended_k[bi, hi]) and torch.equal(tv, appended_v[bi, hi])
+            assert torch.equal(_context(layer, bi, hi)[0], k[bi, hi, keep[bi, hi]])  # context untouched
+
+    # crop back to the context, then decode again: the new token follows the kept entries
+    layer.crop(-5)
+    assert layer.tail == 0 and layer.get_seq_length() == t
+    assert layer.entries() == int(counts.sum())
+    nk, nv = torch.randn(b, h, 1, d, generator=gen), torch.randn(b, h, 1, d, generator=gen)
+    layer.update(nk, nv, 0)
+    assert layer.get_seq_length() == t + 1 and layer.entries() == int(counts.sum()) + b * h
+    for bi in range(b):
+        for hi in range(h):
+            tk, _ = _tail(layer, bi, hi)
+            assert torch.equal(tk, nk[bi, hi])
+            assert torch.equal(_context(layer, bi, hi)[0], k[bi, hi, keep[bi, hi]])
+
+
+def test_uniform_compression_stores_exactly_the_kept_entries():
+    b, h, t, d = 2, 2, 20, 8
+    keep = torch.zeros(b, h, t, dtype=torch.bool)
+    keep[..., ::4] = True  # 5 entries per segment
+    layer, _, _ = _compressed(b, h, t, d, keep)
+    assert layer.entries() == b * h * 5
+    assert _storage_bytes(layer) == b * h * 5 * 2 * d * 4
+
+
+def test_crop_errors():
+    layer, _, _ = _compressed(1, 2, 10, 4, torch.ones(1, 2, 10, dtype=torch.bool))
+    layer.update(*_prompt(1, 2, 3, 4, seed=2), 0)
+    with pytest.raises(CacheStateError):
+        layer.crop(-4)  # beyond the tail, into the compressed context
+    with pytest.raises(CacheStateError):
+        layer.crop(2)  # positive counts are not transformers' convention
+    assert layer.tail == 3 and layer.get_seq_length() == 13  # a failed crop changes nothing
+    layer.crop(-3)
+    with pytest.raises(CacheStateError):
+        layer.crop(-1)
+    layer.crop(0)
+    assert layer.get_seq_length() == 10
+
+
+def test_compress_errors():
+    layer = CompressedLayer()
+    layer.update(*_prompt(1, 2, 10, 4), 0)
+    with pytest.raises(CacheStateError):
+        layer.compress(torch.ones(1, 2, 9, dtype=torch.bool))  # wrong length
+    with pytest.raises(CacheStateError):
+        layer.compress(torch.ones(2, 2, 10, dtype=torch.bool))  # wrong batch
+    layer.compress(torch.ones(1, 2, 10, dtype=torch.bool))
+    with pytest.raises(CacheStateError):
+        layer.compress(torch.ones(1, 2, 10, dtype=torch.bool))  # only once
+
+
+@pytest.mark.parametrize("uneven", [False, True])
+def test_appends_grow_geometrically(uneven):
+    """1000 single-token appends reallocate O(log n) times, and every appended entry lands where it should."""
+    b, h, t, d = 2, 2, 30, 4
+    keep = torch.ones(b, h, t, dtype=torch.bool)
+    if uneven:
+        keep[0, 0, 5:] = False
+        keep[1, 0, 17:] = False
+        keep[1, 1, 1:] = False
+    layer, k, _ = _compressed(b, h, t, d, keep)
+    capacities = [layer.keys.shape[2]]
+    for i in range(1000):
+        token = torch.full((b, h, 1, d), float(i))
+        layer.update(token, token, 0)
+        if layer.keys.shape[2] != capacities[-1]:
+            capacities.append(layer.keys.shape[2])
+    assert layer.tail == 1000 and layer.get_seq_length() == t + 1000
+    reallocations = len(capacities) - 1
+    assert 1 <= reallocations < 60, capacities
+    assert all(later >= 1.1 * earlier for earlier, later in itertools.pairwise(capacities[1:]))
+    counts = keep.sum(-1)
+    assert layer.entries() == int(counts.sum()) + 1000 * b * h
+    for bi in range(b):
+        for hi in range(h):
+            tk, _ = _tail(layer, bi, hi)
+            assert torch.equal(tk[:, 0], torch.arange(1000, dtype=torch.float32))
+            assert torch.equal(_context(layer, bi, hi)[0], k[bi, hi, keep[bi, hi]])
+
+
+def test_batch_select_and_repeat_keep_segments_consistent():
+    b, h, t, d = 3, 2, 9, 4
+    keep = _keep_mask(b, h, t, seed=12)
+    layer, k, _ = _compressed(b, h, t, d, keep, seed=11)
+    nk = torch.randn(b, h, 2, d)
+    layer.update(nk, nk, 0)
+    lengths = layer.lengths.clone()
+    layer.batch_select_indices(torch.tensor([2, 0]))
+    assert torch.equal(layer.lengths, lengths[[2, 0]])
+    for new_row, old_row in enumerate([2, 0]):
+        for hi in range(h):
+            assert torch.equal(_context(layer, new_row, hi)[0], k[old_row, hi, keep[old_row, hi]])
+            assert torch.equal(_tail(layer, new_row, hi)[0], nk[old_row, hi])
+    layer.batch_repeat_interleave(2)
+    assert torch.equal(layer.lengths, lengths[[2, 2, 0, 0]])
+    assert layer.entries() == int(lengths[[2, 2, 0, 0]].sum()) + 4 * h * 2
+    for new_row, old_row in enumerate([2, 2, 0, 0]):
+        for hi in range(h):
+            assert torch.equal(_context(layer, new_row, hi)[0], k[old_row, hi, keep[old_row, hi]])
+    layer.reset()
+    assert not layer.is_initialized and layer.entries() == 0 and layer.nbytes() == 0 and layer.get_seq_length() == 0
+
+
+def test_compressed_cache_layer_kinds_and_accounting():
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    llama = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    cache = CompressedCache(llama)
+    assert all(isinstance(layer, CompressedLayer) for layer in cache.layers) and len(cache.layers) == 3
+    gemma = Gemma3TextConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=6, sliding_window=4
+    )
+    cache = CompressedCache(gemma)
+    kinds = [isinstance(layer, CompressedLayer) for layer in cache.layers]
+    assert kinds == [t == "full_attention" for t in gemma.layer_types]
+    assert any(kinds) and not all(kinds)
+    assert cache.entries() == 0 and cache.nbytes() == 0

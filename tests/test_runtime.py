@@ -1,0 +1,665 @@
+"""End to end on tiny random models: compression is invisible when nothing is evicted, compressed decoding equals
+a dense run with the evicted entries masked out, batching with left padding changes nothing, and the session and
+error paths behave."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import (
+    AttentionInterface,
+    AutoModelForCausalLM,
+    DynamicCache,
+    Gemma3TextConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+import criticalkv
+from criticalkv.cache import CompressedLayer
+from criticalkv.cache.attention import as_bool_mask
+from criticalkv.errors import BudgetError, CacheStateError, CriticalKVError, UnknownMethodError, UnsupportedModelError
+from criticalkv.models import head_dim
+from criticalkv.runtime.method import Method
+from criticalkv.runtime.session import ContextSession
+from criticalkv.scorers import SnapKVScorer, StreamingScorer
+from criticalkv.selectors import CriticalSelector, TopKSelector
+
+VOCAB = 96
+NEW = 8
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+FAMILIES = {
+    "llama": lambda: LlamaConfig(**_COMMON),
+    "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),
+    "qwen2": lambda: Qwen2Config(**_COMMON),  # no head_dim field: d = hidden / heads
+    "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=16),
+    "gemma3": lambda: Gemma3TextConfig(
+        **_COMMON, head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"]
+    ),
+    "phi3": lambda: Phi3Config(**_COMMON),
+}
+
+
+@functools.cache
+def _model(family: str, attn: str = "sdpa"):
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(FAMILIES[family](), attn_implementation=attn, dtype=torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = None  # always generate NEW tokens
+    model.generation_config.pad_token_id = 0
+    # larger random weights than the default init: sharper attention, so evictions visibly change the output
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+                p.mul_(4.0)
+    return model
+
+
+def _ids(t: int, seed: int = 0, b: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (b, t), generator=gen)
+
+
+def _generate(model, ids, mask=None, n=NEW):
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids) if mask is None else mask,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences[:, ids.shape[1] :], torch.stack(out.logits, dim=1).float()  # (b, n), (b, n, vocab)
+
+
+@pytest.fixture
+def capture_decisions(monkeypatch):
+    """Every Method.decide call's decision, in call order (one per compressed layer per prefill)."""
+    calls: list = []
+    real = Method.decide
+
+    def decide(self, view, budget):
+        decision = real(self, view, budget)
+        calls.append((view.module.layer_idx, view.valid.clone(), decision))
+        return decision
+
+    monkeypatch.setattr(Method, "decide", decide)
+    return calls
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a test-only attention function: dense attention with a per-(layer, KV head) mask over the context
+
+
+_REFERENCE: dict = {"keep": {}, "context": 0}
+
+
+def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    keep = _REFERENCE["keep"].get(module.layer_idx)
+    t = _REFERENCE["context"]
+    n = key.shape[2]
+    if keep is None or n <= t:  # the prefill itself, and layers that are not compressed, see everything
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    b, h_kv, _, _d = key.shape
+    q = query.shape[2]
+    if attention_mask is None:
+        logical = torch.ones(q, n, dtype=torch.bool).tril(diagonal=n - q)[None, None].expand(b, 1, q, n)
+    else:
+        logical = as_bool_mask(attention_mask)[:, :, :, :n].expand(b, 1, q, n)
+    columns = torch.cat([keep, torch.ones(b, h_kv, n - t, dtype=torch.bool)], dim=-1)  # (b, h_kv, n)
+    # context queries (a prefill of context + question) see the full context, as in the compressed run's prefill
+    after_context = (torch.arange(n - q, n) >= t)[None, None, :, None]  # (1, 1, q, 1)
+    mask = logical & (columns[:, :, None, :] | ~after_context)  # (b, h_kv, q, n)
+    g = query.shape[1] // h_kv
+    out = F.scaled_dot_product_attention(
+        query,
+        key.repeat_interleave(g, dim=1),
+        value.repeat_interleave(g, dim=1),
+        attn_mask=mask.repeat_interleave(g, dim=1),
+        scale=scaling if scaling is not None else module.scaling,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("test_masked", _reference_attention)
+AttentionMaskInterface.register("test_masked", sdpa_mask)
+
+
+def _masked_reference(model, ids, mask, keep_by_layer, context, n=NEW):
+    """Greedy generation of the full model where, after the context, compressed layers read only kept entries."""
+    base = model.config._attn_implementation
+    _REFERENCE.update(keep=keep_by_layer, context=context)
+    model.set_attn_implementation("test_masked")
+    try:
+        return _generate(model, ids, mask, n)
+    finally:
+        model.set_attn_implementation(base)
+        _REFERENCE.update(keep={}, context=0)
+
+
+def _kv_storage_bytes(cache) -> int:
+    """Bytes of key/value tensors held by every layer of a cache (whatever the compressed layout)."""
+    total = 0
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", False):
+            continue
+        total += layer.keys.nbytes + layer.values.nbytes
+        if getattr(layer, "context_keys", None) is not None:
+            total += layer.context_keys.nbytes + layer.context_values.nbytes
+    return total
+
+
+def _keep_by_layer(calls):
+    return {layer: decision.keep for layer, _, decision in calls if decision.keep is not None}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# nothing evicted: bit-identical to the model without criticalkv
+
+
+@pytest.mark.parametrize(
+    ("family", "attn"), [(f, "sdpa") for f in FAMILIES] + [("llama", "eager"), ("gemma3", "eager")]
+)
+def test_kept_whole_is_bit_identical(family, attn):
+    model = _model(family, attn)
+    ids = _ids(30, seed=1)
+    ref_tokens, ref_logits = _generate(model, ids)
+    with criticalkv.compress(model, "snapkv", budget=10**6) as compressor:
+        tokens, logits = _generate(model, ids)
+    assert compressor is not None
+    assert all(bool(r.kept_whole.all()) for r in compressor.records)
+    assert torch.equal(tokens, ref_tokens)
+    assert torch.equal(logits, ref_logits)
+    with criticalkv.compress(model, "critical-snapkv", budget=1.0) as nothing:
+        tokens, logits = _generate(model, ids)
+    assert nothing is None
+    assert torch.equal(logits, ref_logits)
+    assert model.config._attn_implementation == attn  # restored after the block
+    tokens, logits = _generate(model, ids)
+    assert torch.equal(logits, ref_logits)
+
+
+def test_compression_changes_the_output():
+    """Sanity check of the other tests: the tiny models are sensitive to eviction."""
+    model = _model("llama")
+    ids = _ids(40, seed=2)
+    _, ref_logits = _generate(model, ids)
+    with criticalkv.compress(model, "critical-snapkv", budget=0.25, window=4):
+        _, logits = _generate(model, ids)
+    torch.testing.assert_close(logits[:, 0], ref_logits[:, 0], rtol=0, atol=0)  # prefill logits: full cache
+    assert (logits[:, 1:] - ref_logits[:, 1:]).abs().max() > 1e-2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# compressed decoding == dense decoding with the evicted entries masked
+
+
+def _streaming_dense_reference(model, ids, keep_positions, n=NEW):
+    """Full model, DynamicCache, manual greedy loop; decode steps mask the evicted context positions (2D mask)."""
+    b, t = ids.shape
+    cache = DynamicCache(config=model.config)
+    out = model(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        position_ids=torch.arange(t)[None].expand(b, t),
+        cache=cache,
+        use_cache=True,
+    )
+    logits = [out.logits[:, -1].float()]
+    mask = keep_positions.long()
+    for step in range(n - 1):
+        token = logits[-1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+        out = model(
+            input_ids=token,
+            attention_mask=mask,
+            position_ids=torch.full((b, 1), t + step),
+            cache=cache,
+            use_cache=True,
+        )
+        logits.append(out.logits[:, -1].float())
+    logits = torch.stack(logits, dim=1)
+    return logits.argmax(-1), logits
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
+def test_streaming_equals_masked_dense_reference(family, capture_decisions):
+    model = _model(family)
+    t, budget = 40, 0.3
+    ids = _ids(t, seed=3)
+    with criticalkv.compress(model, "streaming", budget=budget) as compressor:
+        tokens, logits = _generate(model, ids)
+    kept = int(t * budget)
+    expected = torch.zeros(1, t, dtype=torch.bool)
+    expected[:, :4] = True
+    expected[:, t - (kept - 4) :] = True
+    for _, _, decision in capture_decisions:  # same set for every head of every layer
+        assert torch.equal(decision.keep, expected[:, None, :].expand(1, 2, t))
+    assert [r.kept.tolist() for r in compressor.records] == [[[kept, kept]]] * 2
+    ref_tokens, ref_logits = _streaming_dense_reference(model, ids, expected)
+    assert (logits - ref_logits).abs().max().item() <= 1e-5
+    assert torch.equal(tokens, ref_tokens)
+
+    session = ContextSession(model, "streaming", budget=budget)
+    session.prefill(ids)
+    assert torch.equal(session.ask(None, NEW).tokens, ref_tokens)
+
+
+@pytest.mark.parametrize(
+    ("family", "attn", "method"),
+    [
+        ("llama", "sdpa", "critical-snapkv"),
+        ("llama", "eager", "critical-snapkv"),
+        ("mistral", "sdpa", "critical-snapkv"),
+        ("qwen2", "sdpa", "critical-snapkv"),
+        ("qwen3", "sdpa", "critical-snapkv"),
+        ("gemma3", "sdpa", "critical-snapkv"),
+        ("phi3", "sdpa", "critical-snapkv"),
+        ("llama", "sdpa", "snapkv"),
+        ("qwen2", "sdpa", "critical-tova"),
+        ("llama", "sdpa", "knorm"),
+    ],
+)
+def test_per_head_compression_equals_masked_reference(family, attn, method, capture_decisions):
+    model = _model(family, attn)
+    t = 48
+    ids = _ids(t, seed=4)
+    options = {"window": 8} if "snapkv" in method else {}
+    with criticalkv.compress(model, method, budget=0.3, **options) as compressor:
+        tokens, logits = _generate(model, ids)
+    keep = _keep_by_layer(capture_decisions)
+    n_full = sum(
+        1 for kind in getattr(model.config, "layer_types", None) or ["full_attention"] * 2 if kind == "full_attention"
+    )
+    assert sorted(keep) == sorted(r.layer for r in compressor.records) and len(keep) == n_full
+    per_head_differs = any(not torch.equal(k[:, 0], k[:, 1]) for k in keep.values())
+    if method != "critical-tova":  # TOVA's scores are shared by the heads; the value norms differ per head
+        assert per_head_differs
+    ref_tokens, ref_logits = _masked_reference(model, ids, None, keep, t)
+    assert (logits - ref_logits).abs().max().item() <= 1e-4
+    assert torch.equal(tokens, ref_tokens)
+
+
+def test_gemma3_sliding_layers_left_uncompressed(capture_decisions):
+    model = _model("gemma3")
+    ids = _ids(40, seed=5)
+    session = ContextSession(model, "critical-snapkv", budget=0.25, window=8)
+    session.prefill(ids)
+    layers = session.cache.layers
+    assert not isinstance(layers[0], CompressedLayer) and layers[0].is_sliding  # transformers' own layer
+    assert isinstance(layers[1], CompressedLayer) and layers[1].is_compressed
+    assert [r.layer for r in session.compressor.records] == [1]
+    assert [layer for layer, _, _ in capture_decisions] == [1]
+    sliding_entries = layers[0].keys.shape[0] * layers[0].keys.shape[1] * layers[0].keys.shape[2]
+    assert sliding_entries <= 2 * 6  # the sliding layer holds at most its window
+    assert session.kv_entries() == sliding_entries + 2 * 10
+    # generation: the full layer reads only its kept entries, the sliding layer its own window
+    capture_decisions.clear()
+    with criticalkv.compress(model, "critical-snapkv", budget=0.25, window=8) as compressor:
+        tokens, logits = _generate(model, ids)
+    assert [r.layer for r in compressor.records] == [1]
+    ref_tokens, ref_logits = _masked_reference(model, ids, None, _keep_by_layer(capture_decisions), 40)
+    assert torch.equal(tokens, ref_tokens)
+    assert (logits - ref_logits).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("method", ["critical-snapkv", "full"])
+def test_gemma3_session_ask_twice(method, capture_decisions):
+    model = _model("gemma3")
+    ids, question = _ids(40, seed=5), _ids(3, seed=6)
+    options = {"window": 8} if method != "full" else {}
+    session = ContextSession(model, method, budget=0.25, **options)
+    session.prefill(ids)
+    first = session.ask(question, NEW).tokens
+    second = session.ask(question, NEW).tokens
+    assert torch.equal(first, second)
+    assert session.cache.get_seq_length() == 40
+    keep = _keep_by_layer(capture_decisions)
+    ref_tokens, _ = _masked_reference(model, torch.cat([ids, question], 1), None, keep, 40)
+    assert torch.equal(first, ref_tokens)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# batches with left padding
+
+
+def _left_padded(rows: list[torch.Tensor]):
+    t = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), t, dtype=torch.long)
+    mask = torch.zeros(len(rows), t, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, t - len(r) :] = r
+        mask[i, t - len(r) :] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize(
+    ("family", "attn", "method", "budget"),
+    [
+        ("llama", "sdpa", "critical-snapkv", 0.4),
+        ("llama", "eager", "critical-snapkv", 0.4),
+        ("qwen3", "sdpa", "snapkv", 0.4),
+        ("phi3", "sdpa", "streaming", 0.4),
+        ("gemma3", "sdpa", "critical-snapkv", 0.4),
+        ("llama", "sdpa", "critical-snapkv", 30),  # a token budget: the 23-token row is kept whole
+    ],
+)
+def test_left_padded_batch_equals_rows_alone(family, attn, method, budget, capture_decisions):
+    model = _model(family, attn)
+    lengths = [44, 31, 23]
+    rows = [_ids(n, seed=10 + i)[0] for i, n in enumerate(lengths)]
+    ids, mask = _left_padded(rows)
+    options = {"window": 8} if "snapkv" in method else {}
+    with criticalkv.compress(model, method, budget=budget, **options) as compressor:
+        tokens, logits = _generate(model, ids, mask)
+    want = [int(n * budget) if isinstance(budget, float) else min(n, budget) for n in lengths]
+    whole = [k == n for k, n in zip(want, lengths, strict=True)]
+    h_kv = 2
+    assert len(compressor.records) == (1 if family == "gemma3" else 2)
+    for record in compressor.records:
+        assert record.before.tolist() == lengths
+        assert record.kept.tolist() == [[k] * h_kv for k in want]
+        assert record.kept_whole.tolist() == whole
+    for _, valid, decision in capture_decisions:
+        assert torch.equal(valid, mask.bool())
+        assert not bool((decision.keep & ~valid[:, None, :]).any())  # padding never kept
+        assert decision.keep.sum(-1).tolist() == [[k] * h_kv for k in want]
+    batch_keep = _keep_by_layer(capture_decisions)
+    capture_decisions.clear()
+    for i, row in enumerate(rows):
+        with criticalkv.compress(model, method, budget=budget, **options):
+            alone_tokens, alone_logits = _generate(model, row[None])
+        assert torch.equal(tokens[i], alone_tokens[0]), i
+        assert (logits[i] - alone_logits[0]).abs().max().item() <= 1e-4, i
+        alone_keep = _keep_by_layer(capture_decisions)
+        capture_decisions.clear()
+        pad = ids.shape[1] - lengths[i]
+        for layer, keep in alone_keep.items():
+            assert torch.equal(batch_keep[layer][i, :, pad:], keep[0])
+
+    session = ContextSession(model, method, budget=budget, **options)
+    session.prefill(ids, mask)
+    kept = sum(int(r.kept.sum()) for r in session.compressor.records)
+    assert kept == len(session.compressor.records) * h_kv * sum(want)
+    compressed_layers = [layer for layer in session.cache.layers if isinstance(layer, CompressedLayer)]
+    assert sum(layer.entries() for layer in compressed_layers) == kept  # sliding layers (Gemma 3) hold their window
+    assert torch.equal(session.ask(None, NEW).tokens, tokens)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_batched_session_with_padded_questions_equals_rows_alone(attn):
+    model = _model("llama", attn)
+    lengths, question_lengths = [44, 31, 23], [5, 2, 4]
+    rows = [_ids(n, seed=10 + i)[0] for i, n in enumerate(lengths)]
+    questions = [_ids(n, seed=50 + i)[0] for i, n in enumerate(question_lengths)]
+    ids, mask = _left_padded(rows)
+    q_ids, q_mask = _left_padded(questions)  # padding in the middle of the sequence
+    session = ContextSession(model, "critical-snapkv", budget=0.4, window=8)
+    session.prefill(ids, mask)
+    answers = session.ask(q_ids, 6, question_mask=q_mask).tokens
+    assert session.cache.get_seq_length() == ids.shape[1]
+    for i in range(3):
+        alone = ContextSession(model, "critical-snapkv", budget=0.4, window=8)
+        alone.prefill(rows[i][None])
+        assert torch.equal(alone.ask(questions[i][None], 6).tokens[0], answers[i]), i
+    assert torch.equal(session.ask(q_ids, 6, question_mask=q_mask).tokens, answers)
+
+
+def test_beam_search_equals_masked_reference(capture_decisions):
+    model = _model("llama")
+    ids = _ids(40, seed=60)
+    with criticalkv.compress(model, "critical-snapkv", budget=0.3, window=8):
+        out = model.generate(ids, max_new_tokens=6, num_beams=3, do_sample=False)
+    keep = _keep_by_layer(capture_decisions)
+    for k in keep.values():
+        assert k.shape[0] == 3 and torch.equal(k[1], k[0]) and torch.equal(k[2], k[0])  # beams share the context
+    _REFERENCE.update(keep=keep, context=40)
+    model.set_attn_implementation("test_masked")
+    try:
+        ref = model.generate(ids, max_new_tokens=6, num_beams=3, do_sample=False)
+    finally:
+        model.set_attn_implementation("sdpa")
+        _REFERENCE.update(keep={}, context=0)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3"])
+def test_layer_view_is_the_layers_own_state(family, capture_decisions, monkeypatch):
+    """Scorers see the layer's real head_dim, scaling and o_proj, and the keys/values the cache stored."""
+    model = _model(family)
+    views = []
+    real = Method.decide
+
+    def spy(self, view, budget):
+        views.append(view)
+        return real(self, view, budget)
+
+    monkeypatch.setattr(Method, "decide", spy)
+    with criticalkv.compress(model, "critical-snapkv", budget=0.5, window=4):
+        model(input_ids=_ids(24, seed=61))
+    d = head_dim(model.config)
+    assert d == 16
+    attn_modules = {m.layer_idx: m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")}
+    for view in views:
+        module = attn_modules[view.module.layer_idx]
+        assert view.module is module
+        assert view.query.shape == (1, 4, 24, d) and view.keys.shape == (1, 2, 24, d) == view.values.shape
+        assert view.o_proj_weight.shape == (64, 4 * d)
+        assert view.scaling == module.scaling
+        assert bool(view.valid.all())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the question-agnostic session
+
+
+def test_session_question_agnostic(capture_decisions):
+    model = _model("llama")
+    context, question = _ids(50, seed=20), _ids(5, seed=21)
+    session = ContextSession(model, "critical-snapkv", budget=0.3, window=8)
+    session.prefill(context)
+    d = head_dim(model.config)
+    kept = sum(int(r.kept.sum()) for r in session.compressor.records)
+    assert kept == 2 * 2 * 15
+    assert session.kv_entries() == kept
+    kv = kept * 2 * d * 4  # float32 keys and values
+    assert _kv_storage_bytes(session.cache) == kv  # exactly the kept entries: no padding, no spare capacity
+    bookkeeping = sum(layer.lengths.nbytes for layer in session.cache.layers)  # per-segment counts, if reported
+    assert kv <= session.kv_bytes() <= kv + bookkeeping
+    assert session.cache.get_seq_length() == 50
+
+    first = session.ask(question, NEW)
+    assert session.cache.get_seq_length() == 50 and session.kv_entries() == kept
+    second = session.ask(question, NEW)
+    assert torch.equal(first.tokens, second.tokens)
+    assert first.tokens.shape == (1, NEW)
+    other = session.ask(_ids(3, seed=22), 4)
+    assert other.tokens.shape == (1, 4)
+    assert torch.equal(session.ask(question, NEW).tokens, first.tokens)
+    assert session.cache.get_seq_length() == 50 and session.kv_entries() == kept
+
+    # the reference: the full model over context + question where the question and answer read only kept entries
+    keep = _keep_by_layer(capture_decisions)
+    assert len(capture_decisions) == 2  # compressed once, at the prefill
+    ref_tokens, _ = _masked_reference(model, torch.cat([context, question], 1), None, keep, 50)
+    assert torch.equal(first.tokens, ref_tokens)
+
+
+def test_session_full_matches_plain_generate():
+    model = _model("qwen2")
+    context, question = _ids(30, seed=30), _ids(4, seed=31)
+    session = ContextSession(model, "full")
+    session.prefill(context)
+    assert isinstance(session.cache, DynamicCache)
+    entries = session.kv_entries()
+    assert entries == 2 * 2 * 30
+    answer = session.ask(question, NEW).tokens
+    ref_tokens, _ = _generate(model, torch.cat([context, question], 1))
+    assert torch.equal(answer, ref_tokens)
+    assert session.kv_entries() == entries
+    assert torch.equal(session.ask(question, NEW).tokens, answer)
+
+
+def test_session_budget_one_keeps_everything():
+    model = _model("llama")
+    context = _ids(30, seed=32)
+    session = ContextSession(model, "critical-snapkv", budget=1.0)
+    assert session.compressor is None
+    session.prefill(context)
+    ref_tokens, _ = _generate(model, context)
+    assert torch.equal(session.ask(None, NEW).tokens, ref_tokens)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# short contexts and errors
+
+
+def test_context_shorter_than_window_kept_whole():
+    model = _model("llama")
+    ids = _ids(20, seed=40)
+    ref_tokens, ref_logits = _generate(model, ids)
+    with criticalkv.compress(model, "critical-snapkv", budget=0.2) as compressor:  # window 32 > 20 tokens
+        tokens, logits = _generate(model, ids)
+    assert len(compressor.records) == 2
+    assert all(r.kept_whole.tolist() == [True] and r.kept.tolist() == [[20, 20]] for r in compressor.records)
+    assert torch.equal(tokens, ref_tokens)
+    assert torch.equal(logits, ref_logits)
+
+
+def test_custom_method_object():
+    model = _model("llama")
+    ids = _ids(40, seed=41)
+    method = Method(StreamingScorer(sinks=2), selector=TopKSelector())
+    with criticalkv.compress(model, method, budget=10) as compressor:
+        _generate(model, ids)
+    assert [r.kept.tolist() for r in compressor.records] == [[[10, 10]]] * 2
+    with pytest.raises(TypeError), criticalkv.compress(model, method, budget=10, sinks=3):
+        pass
+
+
+def test_knorm_through_critical_selector_refused_in_a_model():
+    from criticalkv.errors import NegativeScoreError
+    from criticalkv.scorers import KeyNormScorer
+
+    model = _model("llama")
+    method = Method(KeyNormScorer(), selector=CriticalSelector())
+    with pytest.raises(NegativeScoreError), criticalkv.compress(model, method, budget=0.5):
+        _generate(model, _ids(20, seed=42), n=2)
+    assert model.config._attn_implementation == "sdpa"
+    _generate(model, _ids(20, seed=42), n=2)  # the model still works after the failed block
+
+
+def test_options_reach_the_pieces():
+    method = criticalkv.build_method("critical-snapkv", window=16, alpha=0.25, kernel=3)
+    assert method.scorer == SnapKVScorer(window=16, kernel=3)
+    assert method.selector == CriticalSelector(alpha=0.25)
+    assert criticalkv.build_method("full") is None
+    assert set(criticalkv.method_names()) >= {"full", "snapkv", "critical-snapkv", "streaming", "knorm", "tova"}
+
+
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [
+        ("nope", {}),
+        ("snapkv", {"alpha": 0.3}),
+        ("streaming", {"window": 8}),
+        ("full", {"window": 8}),
+        ("tova", {"x": 1}),
+    ],
+)
+def test_unknown_methods_and_options(method, options):
+    model = _model("llama")
+    with pytest.raises(UnknownMethodError), criticalkv.compress(model, method, budget=0.5, **options):
+        pass
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("budget", [0, 1.5, -3, 0.0, float("nan"), "abc", True])
+def test_bad_budgets(budget):
+    model = _model("llama")
+    with pytest.raises(BudgetError), criticalkv.compress(model, "snapkv", budget=budget):
+        pass
+
+
+def test_budget_rounding_to_zero_raises_at_prefill():
+    model = _model("llama")
+    with pytest.raises(BudgetError), criticalkv.compress(model, "snapkv", budget=0.01, window=2):
+        _generate(model, _ids(40, seed=43), n=2)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_unsupported_models():
+    torch.manual_seed(0)
+    gpt2 = AutoModelForCausalLM.from_config(
+        GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=1, eos_token_id=2)
+    )
+    with pytest.raises(UnsupportedModelError), criticalkv.compress(gpt2, "snapkv", budget=0.5):
+        pass
+    flex = AutoModelForCausalLM.from_config(FAMILIES["llama"](), attn_implementation="flex_attention")
+    with pytest.raises(UnsupportedModelError), criticalkv.compress(flex, "snapkv", budget=0.5):
+        pass
+    with pytest.raises(UnsupportedModelError):
+        ContextSession(flex, "snapkv", budget=0.5)
+    only_sliding = AutoModelForCausalLM.from_config(
+        Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=6, layer_types=["sliding_attention"] * 2),
+        attn_implementation="sdpa",
+    )
+    with pytest.raises(UnsupportedModelError), criticalkv.compress(only_sliding, "snapkv", budget=0.5):
+        only_sliding(_ids(10))
+
+
+def test_continuing_a_foreign_cache_is_refused():
+    model = _model("llama")
+    cache = DynamicCache(config=model.config)
+    model(input_ids=_ids(10), cache=cache, use_cache=True)
+    with pytest.raises(CacheStateError), criticalkv.compress(model, "snapkv", budget=0.5):
+        model(input_ids=_ids(1), cache=cache, use_cache=True)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_uncached_forward_after_compressed_generation():
+    model = _model("llama")
+    ids = _ids(40, seed=44)
+    full = model(input_ids=ids, use_cache=False).logits
+    with criticalkv.compress(model, "snapkv", budget=0.3, window=8):
+        _generate(model, ids, n=3)
+        logits = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(logits, full, rtol=0, atol=0)
+
+
+def test_compressed_cache_continued_outside_the_block_is_right_or_refused():
+    model = _model("llama")
+    ids = _ids(40, seed=45)
+    with criticalkv.compress(model, "critical-snapkv", budget=0.3, window=8):
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+        token = out.sequences[:, -1:]
+        inside = model(input_ids=token, cache=out.past_key_values, use_cache=True).logits
+        out.past_key_values.crop(-1)
+    try:
+        outside = model(input_ids=token, cache=out.past_key_values, use_cache=True).logits
+    except CriticalKVError:
+        return  # refusing is fine
+    torch.testing.assert_close(outside, inside, rtol=1e-5, atol=1e-5)

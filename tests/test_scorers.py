@@ -1,0 +1,214 @@
+"""Scorers against naive references: SnapKV, StreamingLLM, TOVA, key norm."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from criticalkv.budget import Budget
+from criticalkv.runtime.method import Method
+from criticalkv.scorers import KeyNormScorer, LayerView, SnapKVScorer, StreamingScorer, TOVAScorer
+from criticalkv.selectors import CriticalSelector, TopKSelector
+
+
+class _Attn(nn.Module):
+    def __init__(self, h_q: int, d: int, hidden: int) -> None:
+        super().__init__()
+        self.o_proj = nn.Linear(h_q * d, hidden, bias=False)
+        self.layer_idx = 0
+
+
+def _view(lengths, t, h_kv=2, groups=2, d=8, seed=0, scale=1.0) -> LayerView:
+    gen = torch.Generator().manual_seed(seed)
+    b = len(lengths)
+    valid = torch.zeros(b, t, dtype=torch.bool)
+    for row, n in enumerate(lengths):
+        valid[row, t - n :] = True
+    return LayerView(
+        _Attn(h_kv * groups, d, 16),
+        torch.randn(b, h_kv * groups, t, d, generator=gen) * scale,
+        torch.randn(b, h_kv, t, d, generator=gen) * scale,
+        torch.randn(b, h_kv, t, d, generator=gen),
+        valid,
+        1.0 / math.sqrt(d),
+    )
+
+
+def _naive_attention(view: LayerView) -> torch.Tensor:
+    """Full causal softmax of every query over every key, keys repeated to the query heads: (b, h_q, t, t)."""
+    g = view.groups
+    keys = view.keys.float().repeat_interleave(g, dim=1)  # (b, h_q, t, d)
+    logits = view.query.float() @ keys.transpose(-1, -2) * view.scaling
+    t = logits.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    allowed = causal[None, None] & view.valid[:, None, None, :]
+    return torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+
+
+def _naive_snapkv(view: LayerView, window: int, kernel: int = 5) -> torch.Tensor:
+    """Scores of the non-window positions (b, h_kv, t - w)."""
+    b, h_kv, t, _ = view.keys.shape
+    w = min(window, t)
+    attn = _naive_attention(view)[:, :, t - w :, : t - w]  # window rows, window columns dropped
+    per_query_head = attn.mean(dim=2)  # (b, h_q, t - w)
+    pooled = torch.stack(
+        [
+            F.avg_pool1d(per_query_head[:, h : h + 1], kernel, stride=1, padding=kernel // 2)[:, 0]
+            for h in range(per_query_head.shape[1])
+        ],
+        dim=1,
+    )  # count_include_pad=True, the torch default
+    return pooled.view(b, h_kv, view.groups, t - w).mean(dim=2)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize(("lengths", "t"), [([40], 40), ([40, 33, 20], 40)], ids=["batch1", "batch3-left-padded"])
+@pytest.mark.parametrize("window", [1, 8, 16])
+def test_snapkv_matches_naive_reference(groups, lengths, t, window):
+    view = _view(lengths, t, groups=groups, seed=groups + window, scale=2.0)
+    scorer = SnapKVScorer(window=window)
+    scores = scorer.score(view)
+    assert scores.shape == (len(lengths), 2, t) and scores.dtype == torch.float32
+    want = _naive_snapkv(view, window)
+    real = view.valid[:, None, : t - window].expand_as(want)
+    torch.testing.assert_close(scores[..., : t - window][real], want[real], rtol=1e-5, atol=1e-7)
+    # window positions rank at least as high as any other score and are protected
+    assert bool((scores[..., t - window :] >= scores[..., : t - window].amax(-1, keepdim=True)).all())
+    protected = scorer.protected(view)
+    want_protected = torch.zeros_like(view.valid)
+    want_protected[:, t - window :] = True
+    assert torch.equal(protected, want_protected & view.valid)
+
+
+def test_snapkv_kernel_option():
+    view = _view([30, 25], 30, seed=3)
+    for kernel in (1, 3, 7):
+        scores = SnapKVScorer(window=6, kernel=kernel).score(view)
+        want = _naive_snapkv(view, 6, kernel)
+        torch.testing.assert_close(scores[1, :, 5:24], want[1, :, 5:], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(scores[0, :, :24], want[0], rtol=1e-5, atol=1e-7)
+    for bad in (dict(window=0), dict(kernel=0), dict(kernel=4)):
+        with pytest.raises(ValueError):
+            SnapKVScorer(**bad)
+
+
+def test_snapkv_padding_does_not_change_a_row():
+    """A left-padded row scores its real positions exactly as the same row alone does."""
+    padded = _view([40, 25], 40, seed=8, scale=2.0)
+    alone = LayerView(
+        padded.module,
+        padded.query[1:, :, 15:],
+        padded.keys[1:, :, 15:],
+        padded.values[1:, :, 15:],
+        torch.ones(1, 25, dtype=torch.bool),
+        padded.scaling,
+    )
+    scorer = SnapKVScorer(window=8)
+    torch.testing.assert_close(scorer.score(padded)[1:, :, 15:], scorer.score(alone), rtol=1e-5, atol=1e-7)
+    decision_p = Method(scorer, selector=CriticalSelector()).decide(padded, Budget(0.4))
+    decision_a = Method(scorer, selector=CriticalSelector()).decide(alone, Budget(0.4))
+    assert torch.equal(decision_p.keep[1:, :, 15:], decision_a.keep)
+    assert not bool(decision_p.keep[1:, :, :15].any())
+
+
+@pytest.mark.parametrize("selector", [TopKSelector(), CriticalSelector()], ids=["topk", "critical"])
+def test_snapkv_window_always_kept(selector):
+    view = _view([48, 40], 48, seed=4)
+    decision = Method(SnapKVScorer(window=8), selector=selector).decide(view, Budget(0.25))
+    assert decision.keep.sum(-1).tolist() == [[12, 12], [10, 10]]
+    assert bool(decision.keep[:, :, -8:].all())
+
+
+def test_snapkv_budget_smaller_than_window_keeps_most_recent():
+    view = _view([48], 48, seed=5)
+    decision = Method(SnapKVScorer(window=16), selector=TopKSelector()).decide(view, Budget(5))
+    expected = torch.zeros(1, 2, 48, dtype=torch.bool)
+    expected[..., -5:] = True
+    assert torch.equal(decision.keep, expected)
+
+
+@pytest.mark.parametrize("length", [1, 5, 16])
+def test_context_not_longer_than_window_is_kept_whole(length):
+    view = _view([length], length, seed=6)
+    decision = Method(SnapKVScorer(window=16), selector=CriticalSelector()).decide(
+        view, Budget(0.2 if length >= 5 else 1)
+    )
+    assert decision.keep is None
+    assert decision.kept_whole.tolist() == [True]
+    assert decision.budgets.tolist() == [[length, length]]
+
+
+def test_mixed_batch_short_row_kept_whole_long_row_compressed():
+    view = _view([40, 10], 40, seed=7)
+    decision = Method(SnapKVScorer(window=16), selector=CriticalSelector()).decide(view, Budget(0.5))
+    assert decision.kept_whole.tolist() == [False, True]
+    assert torch.equal(decision.keep[1], view.valid[1].expand(2, -1))  # every real entry, no padding
+    assert decision.budgets.tolist() == [[20, 20], [10, 10]]
+    assert decision.keep.sum(-1).tolist() == [[20, 20], [10, 10]]
+    assert bool(torch.isfinite(SnapKVScorer(window=16).score(view)[0]).all())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# StreamingLLM
+
+
+def test_streaming_protects_first_real_tokens_under_left_padding():
+    view = _view([20, 13, 3], 20, seed=0)
+    protected = StreamingScorer().protected(view)
+    assert protected[0].nonzero().flatten().tolist() == [0, 1, 2, 3]
+    assert protected[1].nonzero().flatten().tolist() == [7, 8, 9, 10]
+    assert protected[2].nonzero().flatten().tolist() == [17, 18, 19]  # a 3-token row: every token is a sink
+    assert StreamingScorer(sinks=2).protected(view)[1].nonzero().flatten().tolist() == [7, 8]
+
+
+def test_streaming_keeps_sinks_and_recent():
+    view = _view([20, 13], 20, seed=0)
+    decision = Method(StreamingScorer(), selector=TopKSelector()).decide(view, Budget(0.5))
+    assert decision.keep.sum(-1).tolist() == [[10, 10], [6, 6]]
+    row0 = [0, 1, 2, 3, 14, 15, 16, 17, 18, 19]
+    row1 = [7, 8, 9, 10, 18, 19]
+    for h in range(2):
+        assert decision.keep[0, h].nonzero().flatten().tolist() == row0
+        assert decision.keep[1, h].nonzero().flatten().tolist() == row1
+    scores = StreamingScorer().score(view)
+    assert bool((scores[..., 1:] > scores[..., :-1]).all())  # strictly increasing with recency
+    assert bool((scores > 0).all())  # non-negative: the critical selector accepts them
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# TOVA
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_tova_scores_identical_across_heads_and_match_reference(groups):
+    view = _view([24, 17], 24, h_kv=3, groups=groups, seed=1, scale=2.0)
+    scores = TOVAScorer().score(view)
+    assert scores.shape == (2, 3, 24)
+    for h in range(1, 3):
+        assert torch.equal(scores[:, h], scores[:, 0])
+    want = _naive_attention(view)[:, :, -1, :].mean(dim=1)  # last query, mean over all query heads
+    torch.testing.assert_close(scores[:, 0][view.valid], want[view.valid], rtol=1e-5, atol=1e-7)
+    assert TOVAScorer().protected(view).nonzero().tolist() == [[0, 23], [1, 23]]
+    decision = Method(TOVAScorer(), selector=TopKSelector()).decide(view, Budget(0.5))
+    for h in range(1, 3):
+        assert torch.equal(decision.keep[:, h], decision.keep[:, 0])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# key norm
+
+
+def test_key_norm_scores():
+    view = _view([10, 6], 10, seed=2)
+    scores = KeyNormScorer().score(view)
+    torch.testing.assert_close(scores, -view.keys.norm(dim=-1))
+    assert not bool(KeyNormScorer().protected(view).any())
+    decision = Method(KeyNormScorer(), selector=TopKSelector()).decide(view, Budget(3))
+    for bi in range(2):
+        for h in range(2):
+            norms = view.keys[bi, h].norm(dim=-1).masked_fill(~view.valid[bi], float("inf"))
+            assert decision.keep[bi, h].nonzero().flatten().tolist() == sorted(norms.argsort()[:3].tolist())
