@@ -43,7 +43,7 @@ class Method:
         h_kv = view.keys.shape[1]
         if bool(kept_whole.all()):
             return Decision(None, lengths[:, None].expand(-1, h_kv).clone(), kept_whole)
-        scores = self.scorer.score(view)  # (b, h_kv, t)
+        scores = view.remember(("scores", repr(self.scorer)), lambda: self.scorer.score(view)).clone()  # (b, h_kv, t)
         budgets = self.allocator.allocate(scores, row_budgets, view)  # (b, h_kv)
         keep = self.selector.select(scores, budgets, protected, view)
         keep[kept_whole] = view.valid[kept_whole][:, None, :].expand(-1, h_kv, -1)

@@ -59,6 +59,19 @@ class ContextSession:
         self.context_length = 0
         self.prefill_generation: Generation | None = None
 
+    @classmethod
+    def from_cache(
+        cls, model: PreTrainedModel, compressor: Compressor, cache: Cache, mask: torch.Tensor, last_logits: torch.Tensor
+    ) -> ContextSession:
+        """A session over a cache another component prefilled (``SharedPrefill``)."""
+        session = cls.__new__(cls)
+        session.model, session.compressor, session.cache = model, compressor, cache
+        session.mask = session.mask_with_pending = mask
+        session.context_length = mask.shape[1]
+        session.last_logits = last_logits
+        session.prefill_seconds = float("nan")
+        return session
+
     # --- phases ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

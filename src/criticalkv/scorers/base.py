@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -24,6 +24,13 @@ class LayerView:
     values: torch.Tensor  # (b, h_kv, t, d)
     valid: torch.Tensor  # (b, t) bool; False on padding
     scaling: float  # softmax scale the layer uses (1/sqrt(d) for most models)
+    memo: dict = field(default_factory=dict, repr=False)  # derived tensors shared by methods deciding on this view
+
+    def remember(self, key: object, compute):
+        """``compute()`` once per view and key: several methods deciding on one prefill share scores and norms."""
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
 
     @property
     def groups(self) -> int:

@@ -60,5 +60,7 @@ class CriticalSelector:
         stage1 = torch.floor(budgets.double() * self.alpha + 1e-9).long()  # (b, h_kv)
         keep = take_top(scores, keep, view.valid, stage1 - keep.sum(-1))
         dtype = torch.float32 if self.norm_dtype == "float32" else None
-        norms = projected_value_norm(view.values, view.o_proj_weight, dtype)  # (b, h_kv, t)
+        norms = view.remember(
+            ("value_norm", dtype), lambda: projected_value_norm(view.values, view.o_proj_weight, dtype)
+        )  # (b, h_kv, t)
         return take_top((scores + self.eps) * norms, keep, view.valid, budgets - keep.sum(-1))

@@ -1,0 +1,116 @@
+"""One prefill serving many (method, budget) pairs: each layer's full cache is compressed into one cache per pair
+right after that layer's prefill, then each pair answers on its own cache.
+
+Scores and value norms are computed once per layer and scorer (``LayerView.remember``), so a sweep of methods
+that share SnapKV's scorer costs little more than one of them.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from criticalkv.budget import Budget
+from criticalkv.cache import CompressedCache, CompressedLayer, attention
+from criticalkv.methods import build_method
+from criticalkv.runtime.compressor import Compressor, LayerRecord
+from criticalkv.runtime.method import Method
+from criticalkv.runtime.session import ContextSession
+from criticalkv.scorers import LayerView
+
+
+@dataclass
+class Target:
+    """One (method, budget) pair of a sweep and the cache it fills."""
+
+    label: str
+    method: Method | None  # None: the full cache
+    budget: Budget
+    cache: CompressedCache | None = None
+    records: list[LayerRecord] = field(default_factory=list)
+
+
+class SharedPrefill(Compressor):
+    """Prefill once, compress into one cache per target.
+
+    Parameters
+    ----------
+    model
+        A supported causal LM.
+    targets
+        ``(label, method, budget)`` triples; ``method`` is a preset name (``"full"`` keeps the full cache) or a
+        ``Method``.
+    """
+
+    def __init__(self, model: PreTrainedModel, targets: list[tuple[str, str | Method, Budget | float | int | str]]):
+        built = []
+        for label, method, budget in targets:
+            m = method if isinstance(method, Method) else build_method(method)
+            built.append(Target(label, m, Budget.parse(budget)))
+        if len({t.label for t in built}) != len(built):
+            raise ValueError("target labels must be unique")
+        first = next((t.method for t in built if t.method is not None), None)
+        super().__init__(model, first, Budget(1.0))
+        self.targets = built
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict[str, ContextSession]:
+        """Run the prefill once; return one ``ContextSession`` per target label, ready to ``ask``."""
+        for target in self.targets:
+            target.cache = CompressedCache(self.model.config, self)
+            target.records = []
+        source = CompressedCache(self.model.config, self)
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        with self:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=source,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        for index, layer in enumerate(source.layers):  # sliding-window layers are copied to every target as they are
+            if not isinstance(layer, CompressedLayer):
+                for target in self.targets:
+                    target.cache.layers[index] = copy.deepcopy(layer)
+        for target in self.targets:
+            target.cache.activate_past_recording()  # sliding layers can then be rewound after each answer
+        last = out.logits[:, -1, :].float()
+        return {t.label: ContextSession.from_cache(self.model, self, t.cache, mask, last) for t in self.targets}
+
+    def compress_layer(
+        self,
+        module: nn.Module,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float,
+        layer: CompressedLayer,
+    ) -> None:
+        b, _, t, _ = keys.shape
+        valid = (
+            torch.ones(b, t, dtype=torch.bool, device=keys.device)
+            if attention_mask is None
+            else attention.as_bool_mask(attention_mask)[:, 0, -1, :t]
+        )
+        view = LayerView(module, query, keys, values, valid, scaling)
+        for target in self.targets:
+            own = CompressedLayer()
+            own.update(keys, values)  # shares the prompt's tensors until compress() gathers what it keeps
+            if target.method is not None and not target.budget.keeps_everything:
+                decision = target.method.decide(view, target.budget)
+                if decision.keep is not None:
+                    own.compress(decision.keep)
+                target.records.append(
+                    LayerRecord(module.layer_idx, view.lengths, decision.budgets, decision.kept_whole)
+                )
+            own.fresh = False
+            target.cache.layers[module.layer_idx] = own
+        layer.reset()  # the shared full prefill is released; each target now holds its own
