@@ -10,23 +10,6 @@ import torch
 from criticalkv.scorers.base import LayerView
 
 
-def _descending_order(tier: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
-    """Indices that sort the last axis by ``tier`` then ``secondary``, both descending; ties keep index order.
-
-    Two stable sorts make a lexicographic sort without packing both keys into one float.
-    """
-    by_secondary = secondary.argsort(dim=-1, descending=True, stable=True)
-    by_tier = tier.gather(-1, by_secondary).argsort(dim=-1, descending=True, stable=True)
-    return by_secondary.gather(-1, by_tier)
-
-
-def _ranks(order: torch.Tensor) -> torch.Tensor:
-    """Inverse permutation of ``order`` along the last axis: the rank of every element (0 = first)."""
-    ranks = torch.empty_like(order)
-    arange = torch.arange(order.shape[-1], device=order.device).expand_as(order)
-    return ranks.scatter_(-1, order, arange)
-
-
 @dataclass
 class AdaKVAllocator:
     """Per row, the global top ``h_kv * B`` entries of the layer's pooled scores, after a per-head safeguard.
@@ -52,6 +35,9 @@ class AdaKVAllocator:
     -----
     The scores of different heads are compared as they are, as in AdaKV and kvpress: a scorer whose scores
     are not on a common scale across heads (e.g. unnormalised key norms) makes the allocation meaningless.
+    Equal scores are ordered arbitrarily (``torch.topk``). The window is the same set of positions in every
+    head, which is what lets the safeguard and the window be counted in closed form: only the safeguard
+    entries outside the window and the pooled contest need a top-k (no sort of the whole layer).
     """
 
     safeguard: float = 0.2
@@ -73,22 +59,30 @@ class AdaKVAllocator:
         """
         b, h, t = scores.shape
         valid = view.valid  # (b, t)
-        budgets = torch.minimum(row_budgets.long(), view.lengths)  # (b,)
+        budgets = torch.minimum(row_budgets.long(), view.lengths)  # B: (b,)
         prot = torch.zeros_like(valid) if protected is None else protected & valid
-        # Tiers (higher first): 2 safeguard, 1 protected, 0 other real entries, -1 padding. Within the protected
-        # tier the most recent come first (the selector keeps those when the budget cannot hold the window).
-        tier = torch.where(prot, 1, torch.where(valid, 0, -1))[:, None, :].expand(b, h, t)  # (b, h, t)
-        position = torch.arange(t, device=scores.device, dtype=torch.float64)
-        secondary = torch.where(prot[:, None, :], position, scores.double())  # (b, h, t)
-
-        # 1. each head's safeguard: the first n_safe of the head's own order
+        n_prot = prot.sum(-1)  # P: (b,), the same positions in every head
         n_safe = torch.floor(budgets.double() * self.safeguard + 1e-9).long().clamp(min=1)
         n_safe = torch.minimum(n_safe, budgets)  # (b,)
-        head_rank = _ranks(_descending_order(tier, secondary))  # (b, h, t)
-        safe = (head_rank < n_safe[:, None, None]) & valid[:, None, :]
-        tier = torch.where(safe, 2, tier)
-
-        # 2.-3. the global order over the pooled heads; the first h * B entries are kept
-        order = _descending_order(tier.reshape(b, h * t), secondary.reshape(b, h * t))  # (b, h*t)
-        picked = _ranks(order) < (h * budgets)[:, None]  # (b, h*t)
-        return picked.view(b, h, t).sum(-1)
+        # Each head's own order starts with the window (most recent first), so its safeguard is the n_safe most
+        # recent protected positions, plus its best other entries when the window is smaller than n_safe.
+        # Safeguard and window together give every head max(n_safe, P) entries before the global cut.
+        base = torch.maximum(n_safe, n_prot)  # (b,)
+        extra_safe = (n_safe - n_prot).clamp(min=0)  # safeguard entries outside the window, per head
+        others = scores.float().masked_fill(~(valid & ~prot)[:, None, :], float("-inf"))  # (b, h, t)
+        k = int(extra_safe.max())
+        if k > 0:  # those safeguard entries are taken already: out of the pooled contest
+            top = others.topk(k, dim=-1).indices  # (b, h, k)
+            taken = torch.arange(k, device=scores.device)[None, None, :] < extra_safe[:, None, None]
+            others = others.scatter(-1, top, others.gather(-1, top).masked_fill(taken, float("-inf")))
+        # The pooled contest: the rest of the row's h * B entries go to the best remaining scores of any head.
+        pooled = (h * (budgets - base)).clamp(min=0)  # (b,)
+        won = torch.zeros(b, h, dtype=torch.long, device=scores.device)
+        k = int(pooled.max())
+        if k > 0:
+            winners = others.reshape(b, h * t).topk(k, dim=-1).indices  # (b, k), best first
+            counts = (torch.arange(k, device=scores.device)[None, :] < pooled[:, None]).long()
+            won.scatter_add_(1, winners // t, counts)
+        # A window of at least B entries: every head keeps its B most recent window entries (the global order
+        # walks the window position by position through all heads, so the cut falls on a whole position).
+        return torch.where((n_prot >= budgets)[:, None], budgets[:, None], base[:, None] + won)

@@ -8,6 +8,7 @@ of another shape. ``calibrate_head_profile`` measures one; ``load_profile`` find
 from __future__ import annotations
 
 import datetime as _dt
+import inspect
 import json
 import time
 from collections.abc import Iterable, Sequence
@@ -35,7 +36,7 @@ class HeadProfileError(CriticalKVError):
 def _calibrate_hint(config: PretrainedConfig | None = None) -> str:
     name = getattr(config, "name_or_path", "") or "M"
     return (
-        f"measure one with `criticalkv calibrate-heads --model {name}` (a few minutes on CPU) and pass it as "
+        f"Measure one with `criticalkv calibrate-heads --model {name}` (a few minutes on CPU) and pass it as "
         "HeadKVAllocator(profile=HeadProfile.load(path)), or save it where load_profile looks"
     )
 
@@ -60,7 +61,12 @@ def _describe(shape: dict[str, Any]) -> str:
     )
 
 
-@dataclass
+def _rounded(rows: Sequence[Sequence[float]]) -> list[list[float]]:
+    """Six significant digits: readable JSON, and a positive importance never rounds to zero."""
+    return [[float(f"{float(x):.6g}") for x in row] for row in rows]
+
+
+@dataclass(repr=False)
 class HeadProfile:
     """Importance of every KV head of a model: a (num_layers, num_kv_heads) matrix, higher = more budget.
 
@@ -104,6 +110,13 @@ class HeadProfile:
                 f"{self.num_kv_heads} KV heads"
             )
 
+    def __repr__(self) -> str:
+        samples = self.measurement.get("samples", "?")
+        return (
+            f"HeadProfile(name={self.name!r}, {self.model_type} {self.num_layers} layers x {self.num_kv_heads} KV "
+            f"heads, samples={samples})"
+        )
+
     @property
     def matrix(self) -> torch.Tensor:
         """The importance matrix (num_layers, num_kv_heads), float64."""
@@ -140,16 +153,16 @@ class HeadProfile:
             raise HeadProfileError(
                 f"head profile {self.name or '<unnamed>'!r} is for another model: it was measured on "
                 f"{_describe(self.shape)}, this model is {_describe(config_shape(config))} "
-                f"({'; '.join(wrong)}). {_calibrate_hint(config).capitalize()}."
+                f"({'; '.join(wrong)}). {_calibrate_hint(config)}."
             )
 
     # --- JSON ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"format": FORMAT, "name": self.name, "model": self.shape}
         out["measurement"] = self.measurement
-        out["importance"] = [[round(float(x), 6) for x in row] for row in self.importance]
+        out["importance"] = _rounded(self.importance)
         if self.query_scores is not None:
-            out["query_scores"] = [[round(float(x), 6) for x in row] for row in self.query_scores]
+            out["query_scores"] = _rounded(self.query_scores)
         return out
 
     @classmethod
@@ -232,11 +245,11 @@ def load_profile(config: PretrainedConfig) -> HeadProfile:
     shape = config_shape(config)
     if found:
         others = "; ".join(f"{p.name or label} ({_describe(p.shape)})" for label, p in found)
-        listing = f"the profiles there are are for other models: {others}"
+        listing = f"the installed profiles are for other models: {others}"
     else:
         listing = "no head profile is installed"
     raise HeadProfileError(
-        f"no HeadKV head profile for this model ({_describe(shape)}): {listing}. {_calibrate_hint(config).capitalize()}"
+        f"no HeadKV head profile for this model ({_describe(shape)}): {listing}. {_calibrate_hint(config)}"
         f" ({user_profile_dir()})."
     )
 
@@ -270,11 +283,14 @@ def _sample_hits(
     """
     device = model.device
     out = model(input_ids=torch.tensor([prompt[:-1]], device=device), use_cache=True, logits_to_keep=1)
+    # transformers renamed past_key_values to cache (5.x); accept either
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = out["cache"] if "cache" in out else out["past_key_values"]
     forced = torch.tensor([[prompt[-1], *answer[:-1]]], device=device)  # query s produces answer[s]
     base = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
-        out = model(input_ids=forced, past_key_values=out.past_key_values, output_attentions=True, logits_to_keep=1)
+        out = model(input_ids=forced, output_attentions=True, logits_to_keep=1, **{name: cache})
     finally:
         model.set_attn_implementation(base)
     attn = torch.stack([a[0].float() for a in out.attentions])  # (layers, h_q, n_answer, keys)
@@ -395,7 +411,7 @@ def calibrate_head_profile(
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "retrieval_top1": [[round(float(x), 6) for x in row] for row in (top1_sum / len(jobs)).tolist()],
+        "retrieval_top1": _rounded((top1_sum / len(jobs)).tolist()),
     }
     return HeadProfile(
         importance=importance.tolist(),

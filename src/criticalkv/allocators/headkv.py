@@ -106,7 +106,7 @@ class HeadKVAllocator:
         protected: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Per-head budgets (b, h_kv) long; scores (b, h_kv, t) are not needed, only their shape."""
-        b, h, _ = scores.shape
+        h = scores.shape[1]
         module = view.module
         profile = self.profile_for(module.config)
         if h != profile.num_kv_heads:

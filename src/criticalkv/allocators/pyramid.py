@@ -48,7 +48,9 @@ def largest_remainder(shares: torch.Tensor, totals: torch.Tensor) -> torch.Tenso
     fraction = (shares - floors).clamp(min=0)
     missing = (totals.double() - floors.sum(-1)).round().long()  # (b,)
     order = fraction.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(shares.shape[-1], device=shares.device).expand_as(order))
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(shares.shape[-1], device=shares.device).expand_as(order)
+    )
     return floors.long() + (rank < missing[:, None]).long()
 
 

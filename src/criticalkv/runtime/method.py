@@ -43,8 +43,9 @@ class Method:
         h_kv = view.keys.shape[1]
         if bool(kept_whole.all()):
             return Decision(None, lengths[:, None].expand(-1, h_kv).clone(), kept_whole)
-        scores = view.remember(("scores", repr(self.scorer)), lambda: self.scorer.score(view)).clone()  # (b, h_kv, t)
-        budgets = self.allocator.allocate(scores, row_budgets, view)  # (b, h_kv)
+        scores = view.remember(("scores", repr(self.scorer)), lambda: self.scorer.score(view))
+        scores = scores.clone()  # (b, h_kv, t), shared with other methods deciding on this view
+        budgets = self.allocator.allocate(scores, row_budgets, view, protected)  # (b, h_kv)
         keep = self.selector.select(scores, budgets, protected, view)
         keep[kept_whole] = view.valid[kept_whole][:, None, :].expand(-1, h_kv, -1)
         budgets[kept_whole] = lengths[kept_whole][:, None]

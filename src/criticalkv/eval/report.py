@@ -1,0 +1,103 @@
+"""Tables and plots from a sweep's results.jsonl: score per task, compression loss, score against budget."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+
+from matplotlib.figure import Figure
+
+from criticalkv.eval.sweep import Row, load_rows
+
+
+def summarise(rows: list[Row]) -> dict:
+    """Mean score per (regime, method, budget, task), the mean over tasks, and the compression loss.
+
+    loss = (full - method) / full on the same samples, per regime (evaluation.md).
+    """
+    by_key: dict[tuple, list[float]] = defaultdict(list)
+    for r in rows:
+        by_key[(r.regime, r.method, r.budget, r.task)].append(r.score)
+    tasks = sorted({r.task for r in rows})
+    table: dict[str, dict] = {}
+    for regime, method, budget, task in sorted(by_key, key=str):
+        entry = table.setdefault(
+            f"{regime}|{method}|{budget}",
+            {"regime": regime, "method": method, "budget": budget, "tasks": {}, "samples": 0},
+        )
+        entry["tasks"][task] = mean(by_key[(regime, method, budget, task)])
+        entry["samples"] += len(by_key[(regime, method, budget, task)])
+    for entry in table.values():
+        entry["mean"] = mean(entry["tasks"].values())
+    for entry in table.values():
+        full = next((e for e in table.values() if e["regime"] == entry["regime"] and e["method"] == "full"), None)
+        entry["loss"] = None if not full or full["mean"] == 0 else (full["mean"] - entry["mean"]) / full["mean"]
+    return {"tasks": tasks, "rows": sorted(table.values(), key=_order)}
+
+
+def _order(entry: dict) -> tuple:
+    return (entry["regime"], entry["method"] != "full", entry["method"], float(entry["budget"]))
+
+
+def write_report(results_dir: Path, title: str = "") -> Path:
+    """Write report.md, summary.csv, summary.json and plots next to results.jsonl; return the report path."""
+    summary = summarise(load_rows(results_dir / "results.jsonl"))
+    tasks = summary["tasks"]
+    (results_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    with (results_dir / "summary.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["regime", "method", "budget", *tasks, "mean", "loss"])
+        for e in summary["rows"]:
+            writer.writerow(
+                [
+                    e["regime"],
+                    e["method"],
+                    e["budget"],
+                    *(f"{e['tasks'].get(t, float('nan')):.2f}" for t in tasks),
+                    f"{e['mean']:.2f}",
+                    "" if e["loss"] is None else f"{e['loss']:.4f}",
+                ]
+            )
+    lines = [f"# {title or 'Sweep results'}", ""]
+    for regime in sorted({e["regime"] for e in summary["rows"]}):
+        lines += [
+            f"## question-{regime}",
+            "",
+            "| method | budget | " + " | ".join(tasks) + " | mean | loss |",
+            "|---|---|" + "---|" * (len(tasks) + 2),
+        ]
+        for e in (e for e in summary["rows"] if e["regime"] == regime):
+            loss = "" if e["loss"] is None or e["method"] == "full" else f"{100 * e['loss']:.1f}%"
+            cells = " | ".join(f"{e['tasks'].get(t, float('nan')):.1f}" for t in tasks)
+            budget = "" if e["method"] == "full" else str(e["budget"])
+            lines.append(f"| {e['method']} | {budget} | {cells} | {e['mean']:.1f} | {loss} |")
+        lines.append("")
+        _plot_regime(summary, regime, results_dir / f"score_vs_budget_{regime}.png")
+        lines += [f"![score against budget, question-{regime}](score_vs_budget_{regime}.png)", ""]
+    path = results_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _plot_regime(summary: dict, regime: str, path: Path) -> None:
+    rows = [e for e in summary["rows"] if e["regime"] == regime]
+    full = next((e["mean"] for e in rows if e["method"] == "full"), None)
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.subplots()
+    for method in sorted({e["method"] for e in rows if e["method"] != "full"}):
+        points = sorted((float(e["budget"]), e["mean"]) for e in rows if e["method"] == method)
+        style = "-" if method.startswith("critical-") else "--"
+        ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=method)
+    if full is not None:
+        ax.axhline(full, color="black", linewidth=1, label="full cache")
+    ax.set_xlabel("budget (fraction of the context kept)")
+    ax.set_ylabel("mean score")
+    ax.set_title(f"question-{regime}")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,151 @@
+"""The sweep runner: every (method, budget) pair answers every sample, with one prefill per sample.
+
+Results are appended per sample to ``results.jsonl`` in the output folder, so an interrupted run resumes where it
+stopped. ``criticalkv.eval.report`` turns the file into tables and plots.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from criticalkv.budget import Budget
+from criticalkv.eval.needle import chat_prompt_parts, encode_prompt_parts
+from criticalkv.methods import build_method
+from criticalkv.runtime.shared_prefill import SharedPrefill
+
+REGIMES = ("agnostic", "aware")
+
+
+class Sample(Protocol):
+    """What the runner needs of a sample (RULER and needle samples have it)."""
+
+    task: str
+    index: int
+    context: str
+    question: str
+    answer_prefix: str
+
+
+@dataclass
+class Row:
+    """One answer of one (method, budget) pair to one sample."""
+
+    task: str
+    index: int
+    regime: str  # "agnostic": context compressed before the question; "aware": with it
+    method: str
+    budget: float | int
+    score: float
+    prediction: str
+    prompt_tokens: int
+    kept_fraction: float
+
+
+def pair_label(method: str, budget: Budget) -> str:
+    return "full" if method == "full" else f"{method}@{budget.value}"
+
+
+def run_sweep(
+    model,
+    tokenizer,
+    samples: Iterable[Sample],
+    score: Callable[[Sample, str], float],
+    methods: list[str],
+    budgets: list[Budget],
+    regime: str,
+    out_dir: Path,
+    max_new_tokens: Callable[[Sample], int],
+    total: int | None = None,
+) -> list[Row]:
+    """Answer every sample with the full cache and every (method, budget) pair; append rows to results.jsonl."""
+    if regime not in REGIMES:
+        raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
+    for method in methods:
+        build_method(method)  # unknown names fail before any work
+    pairs = [("full", "full", Budget(1.0))] + [
+        (pair_label(m, b), m, b) for m in methods if m != "full" for b in budgets
+    ]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "results.jsonl"
+    done = _done_samples(path, regime, {label for label, _, _ in pairs})
+    rows: list[Row] = []
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns) as progress, path.open("a") as sink:
+        bar = progress.add_task(f"{regime} sweep, {len(pairs)} pairs", total=total)
+        for sample in samples:
+            if (sample.task, sample.index) in done:
+                progress.advance(bar)
+                continue
+            sample_rows = _answer(model, tokenizer, sample, score, pairs, regime, max_new_tokens(sample))
+            for row in sample_rows:
+                sink.write(json.dumps(asdict(row)) + "\n")
+            sink.flush()
+            rows.extend(sample_rows)
+            progress.advance(bar)
+    return rows
+
+
+@torch.no_grad()
+def _answer(model, tokenizer, sample: Sample, score, pairs, regime: str, max_new_tokens: int) -> list[Row]:
+    prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
+    prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
+    prompt = prefix_ids + suffix_ids if regime == "aware" else prefix_ids
+    question = None if regime == "aware" else torch.tensor([suffix_ids])
+    sessions = SharedPrefill(model, [(label, method, budget) for label, method, budget in pairs]).prefill(
+        torch.tensor([prompt])
+    )
+    full_entries = sessions["full"].kv_entries()
+    rows = []
+    for label, method, budget in pairs:
+        session = sessions[label]
+        kept = session.kv_entries() / full_entries
+        generation = session.ask(question, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+        text = tokenizer.decode(generation.tokens[0], skip_special_tokens=True).strip()
+        rows.append(
+            Row(
+                sample.task,
+                sample.index,
+                regime,
+                method,
+                budget.value,
+                score(sample, text),
+                text,
+                len(prefix_ids) + len(suffix_ids),
+                kept,
+            )
+        )
+    return rows
+
+
+def _done_samples(path: Path, regime: str, labels: set[str]) -> set[tuple[str, int]]:
+    """Samples of this regime already answered by every pair (an interrupted run resumes after them)."""
+    if not path.exists():
+        return set()
+    seen: dict[tuple[str, int], set[str]] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if row["regime"] == regime:
+            label = pair_label(row["method"], Budget.parse(row["budget"]))
+            seen.setdefault((row["task"], row["index"]), set()).add(label)
+    return {key for key, got in seen.items() if labels <= got}
+
+
+def load_rows(path: Path) -> list[Row]:
+    """Rows of a results.jsonl file."""
+    return [Row(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
