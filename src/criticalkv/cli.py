@@ -242,5 +242,38 @@ def _print(results: list[RunResult], model_name: str, mode: str, budget: Budget)
     console.print(table)
 
 
+@app.command("calibrate-heads")
+def calibrate_heads(
+    model: Annotated[str, typer.Option(help="Preset name or local folder.")] = DEFAULT_PRESET,
+    out: Annotated[Path | None, typer.Option(help="Profile file (default: the user cache, where HeadKV finds it).")] = (
+        None
+    ),
+    samples: Annotated[int, typer.Option(help="Needle depths per length.")] = 8,
+    lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths in tokens.")] = "1024,2048",
+    seed: Annotated[int, typer.Option(help="Seed of the calibration prompts.")] = 0,
+) -> None:
+    """Measure each KV head's retrieval importance on needle prompts and save HeadKV's profile for the model."""
+    from criticalkv.allocators.head_profile import calibrate_preset
+
+    try:
+        sizes = tuple(int(x) for x in lengths.split(","))
+        _, path = calibrate_preset(model, out, samples=samples, lengths=sizes, seed=seed)
+    except (CriticalKVError, ValueError) as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from None
+    console.print(f"saved {path}")
+
+
+@app.command()
+def report(results_dir: Annotated[Path, typer.Argument(help="A folder with a sweep's results.jsonl.")]) -> None:
+    """Redraw the tables and plots of a sweep from its saved results."""
+    from criticalkv.eval.report import write_report
+
+    if not (results_dir / "results.jsonl").is_file():
+        console.print(f"[red]error:[/red] no results.jsonl in {results_dir}")
+        raise typer.Exit(2)
+    console.print(f"wrote {write_report(results_dir)}")
+
+
 if __name__ == "__main__":
     app()
