@@ -115,7 +115,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for method in [m.strip() for m in args.methods.split(",")]:
             a = ours(model, ids, method, args.budget, args.window)
-            b = theirs(folder, ids, method, int(a[0][0].sum()), args.window, Path(tmp))
+            row_budget = int(a[0].sum()) // a[0].shape[0]  # head-wise budgets average to the row budget
+            b = theirs(folder, ids, method, row_budget, args.window, Path(tmp))
             per_head_equal = [bool(torch.equal(x, y)) for la, lb in zip(a, b, strict=True) for x, y in zip(la, lb)]
             overlap = [(x & y).sum().item() / max(1, y.sum().item()) for la, lb in zip(a, b) for x, y in zip(la, lb)]
             counts = [(int(x.sum()), int(y.sum())) for la, lb in zip(a, b) for x, y in zip(la, lb)]
