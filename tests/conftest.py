@@ -46,3 +46,20 @@ def tiny_tokenizer():
     corpus = ["The quick brown fox jumps over the lazy dog. What is the special magic number?"] * 20
     tok.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture
+def capture_decisions(monkeypatch):
+    """Every Method.decide call's decision, in call order (one per compressed layer per prefill)."""
+    calls: list = []
+    from criticalkv.runtime.method import Method
+
+    real = Method.decide
+
+    def decide(self, view, budget):
+        decision = real(self, view, budget)
+        calls.append((view.module.layer_idx, view.valid.clone(), decision))
+        return decision
+
+    monkeypatch.setattr(Method, "decide", decide)
+    return calls

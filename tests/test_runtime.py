@@ -93,21 +93,6 @@ def _generate(model, ids, mask=None, n=NEW):
     return out.sequences[:, ids.shape[1] :], torch.stack(out.logits, dim=1).float()  # (b, n), (b, n, vocab)
 
 
-@pytest.fixture
-def capture_decisions(monkeypatch):
-    """Every Method.decide call's decision, in call order (one per compressed layer per prefill)."""
-    calls: list = []
-    real = Method.decide
-
-    def decide(self, view, budget):
-        decision = real(self, view, budget)
-        calls.append((view.module.layer_idx, view.valid.clone(), decision))
-        return decision
-
-    monkeypatch.setattr(Method, "decide", decide)
-    return calls
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # a test-only attention function: dense attention with a per-(layer, KV head) mask over the context
 

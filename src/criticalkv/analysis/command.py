@@ -1,0 +1,426 @@
+"""``criticalkv perturbation``: the paper's output-perturbation analysis, head by head, on real prompts.
+
+Register it with ``app.command("perturbation")(perturbation)``; ``run_analysis`` is the same as a function.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import torch
+import transformers
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from criticalkv.analysis.capture import capture
+from criticalkv.analysis.exhaustive import exhaustive_check as run_exhaustive_check
+from criticalkv.analysis.perturbation import (
+    PromptResult,
+    budget_label,
+    log10_ratio,
+    measure_prompt,
+    nanmean,
+    stack,
+    summarise,
+)
+from criticalkv.analysis.plots import file_stem, plot_hidden, plot_layers, plot_ratio_heatmap, plot_ratio_histogram
+from criticalkv.budget import Budget
+from criticalkv.errors import CriticalKVError
+from criticalkv.methods import build_method
+
+__all__ = ["Prompt", "essay_prompts", "parse_pairs", "perturbation", "run_analysis", "text_prompts"]
+
+console = Console(stderr=True)
+TEXT_QUESTION = "What is the text above about? Answer in one sentence."
+MODES = {
+    "agnostic": "question-agnostic: the context is compressed before the question is seen; the question follows",
+    "aware": "question-aware: the question is compressed with the context; only generated tokens follow",
+}
+
+
+@dataclass
+class Prompt:
+    """Token ids of one prompt: the context (compressed) and the question that follows it."""
+
+    index: int
+    context_ids: list[int]
+    question_ids: list[int]
+    info: dict
+
+
+def essay_prompts(tokenizer, n: int, length: int, seed: int = 0) -> list[Prompt]:
+    """Needle prompts from RULER's essays: ``length`` context tokens, needle depths spread over [0, 1]."""
+    from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts
+
+    prompts = []
+    for i in range(n):
+        depth = i / (n - 1) if n > 1 else 0.5
+        sample = build_needle_sample(tokenizer, length, depth=depth, seed=seed + i)
+        prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
+        context_ids, question_ids = encode_prompt_parts(tokenizer, prefix, suffix)
+        info = {"source": "essays", "depth": depth, "seed": seed + i, "answer": sample.answer, "key": sample.key}
+        prompts.append(Prompt(i, context_ids, question_ids, info))
+    return prompts
+
+
+def text_prompts(tokenizer, path: Path, n: int, length: int) -> list[Prompt]:
+    """``n`` windows of ``length`` tokens from a text file (or the .txt files of a folder), cycling through the text;
+    each followed by a fixed question about it."""
+    from criticalkv.eval.needle import chat_prompt_parts, encode_prompt_parts
+
+    files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
+    if not files:
+        raise CriticalKVError(f"no .txt file in {path}")
+    text = "\n\n".join(f.read_text(encoding="utf-8") for f in files)
+    tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not tokens:
+        raise CriticalKVError(f"{path} holds no text")
+    repeated = tokens * (length * n // len(tokens) + 2)
+    prompts = []
+    for i in range(n):
+        start = (i * length) % len(tokens)
+        window = tokenizer.decode(repeated[start : start + length])
+        prefix, suffix = chat_prompt_parts(tokenizer, window, TEXT_QUESTION, answer_prefix="")
+        context_ids, question_ids = encode_prompt_parts(tokenizer, prefix, suffix)
+        prompts.append(Prompt(i, context_ids, question_ids, {"source": str(path), "start_token": start}))
+    return prompts
+
+
+def parse_pairs(spec: str | None, methods: list[str]) -> list[tuple[str, str]]:
+    """``"a:b,c:d"`` -> [(a, b), (c, d)] (B is compared with A); None: each method against the first."""
+    if not spec:
+        return [(methods[0], m) for m in methods[1:]]
+    pairs = []
+    for item in spec.split(","):
+        a, sep, b = item.strip().partition(":")
+        if not sep or not a.strip() or not b.strip():
+            raise CriticalKVError(f"pair {item!r} is not of the form A:B")
+        a, b = a.strip(), b.strip()
+        for name in (a, b):
+            if name not in methods:
+                raise CriticalKVError(f"pair {item!r} names {name!r}, which is not among --methods {methods}")
+        pairs.append((a, b))
+    return pairs
+
+
+def _clean(x):
+    """JSON-ready: numpy to lists, floats to 6 significant digits, NaN/inf to None."""
+    if isinstance(x, np.ndarray):
+        return _clean(x.tolist())
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    if isinstance(x, float | np.floating):
+        x = float(x)
+        return None if not math.isfinite(x) else float(f"{x:.6g}")
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+def _payload(meta, results: list[PromptResult], methods, budgets, pairs, h_kv, exhaustive) -> dict:
+    data: dict = {"meta": meta}
+    if results:
+        data["summary"] = summarise(results, methods, budgets, pairs, h_kv)
+        data["layers"] = results[0].layers
+        data["prompts"] = [{"index": r.index, **r.info, "seconds": r.seconds} for r in results]
+        data["results"] = {
+            name: {
+                budget: {
+                    "heads": {
+                        q: {s: [r.heads[(name, budget)][q][s] for r in results] for s in r0}
+                        for q, r0 in results[0].heads[(name, budget)].items()
+                    },
+                    "per_prompt": [r.scalars[(name, budget)] for r in results],
+                }
+                for budget in budgets
+            }
+            for name in methods
+        }
+    if exhaustive is not None:
+        data["exhaustive"] = exhaustive
+    return _clean(data)
+
+
+def _plots(out: Path, results: list[PromptResult], summary: dict, methods, budgets, pairs) -> list[Path]:
+    written = []
+    layers = results[0].layers
+    for a, b in pairs:
+        per_prompt, heads, headline = {}, {}, {}
+        for budget in budgets:
+            pa = stack(results, (a, budget), "perturbation", "all")
+            pb = stack(results, (b, budget), "perturbation", "all")
+            per_prompt[budget] = log10_ratio(pa, pb)
+            heads[budget] = log10_ratio(nanmean(pa, 0), nanmean(pb, 0))
+            wanted = (a, b, budget, "all")
+            row = next(p for p in summary["pairs"] if (p["a"], p["b"], p["budget"], p["subset"]) == wanted)
+            headline[budget] = row["heads_per_prompt"]
+        stem = file_stem(a, b)
+        written.append(plot_ratio_histogram(per_prompt, a, b, out / f"hist_{stem}.png"))
+        written.append(plot_ratio_heatmap(heads, layers, a, b, out / f"heatmap_{stem}.png"))
+    per_layer = {m: {bud: summary["per_layer"][m][bud]["all"] for bud in budgets} for m in methods}
+    written.append(plot_layers(per_layer, layers, out / "layers.png"))
+    hidden = {m: {bud: summary["hidden"][m][bud].get("hidden_l1_all", math.nan) for bud in budgets} for m in methods}
+    if all(any(math.isfinite(v) for v in by.values()) for by in hidden.values()):
+        written.append(plot_hidden(hidden, out / "hidden.png"))
+    return written
+
+
+def _print_summary(summary: dict, methods, budgets) -> None:
+    table = Table("A", "B", "budget", "heads B<A", "median log10 B/A", "mean log10 B/A", "(prompt,layer,head) B<A")
+    for row in summary["pairs"]:
+        if row["subset"] != "all":
+            continue
+        h, hp = row["heads"], row["heads_per_prompt"]
+        table.add_row(
+            row["a"],
+            row["b"],
+            row["budget"],
+            f"{100 * h['fraction_b_lower']:.1f}%",
+            f"{h['median_log10_ratio']:+.3f}",
+            f"{h['mean_log10_ratio']:+.3f}",
+            f"{100 * hp['fraction_b_lower']:.1f}%",
+        )
+    if summary["pairs"]:
+        console.print(table)
+    table = Table("method", "budget", "mean L1 / head", "bound (paper)", "bound (tight)", "σ<1/2", "hidden L1", "rel.")
+    for m in methods:
+        for b in budgets:
+            bd, hd = summary["bounds"][m][b], summary["hidden"][m][b]
+            table.add_row(
+                m,
+                b,
+                f"{bd['mean_perturbation']:.4g}",
+                f"{bd['mean_bound_paper']:.4g}",
+                f"{bd['mean_bound_tight']:.4g}",
+                f"{100 * bd['kept_mass_below_half']:.1f}%",
+                f"{hd.get('hidden_l1_all', math.nan):.4g}",
+                f"{hd.get('hidden_l1_relative_all', math.nan):.4f}",
+            )
+    console.print(table)
+
+
+def run_analysis(
+    model: str = "smollm2-135m",
+    methods: str = "snapkv,critical-snapkv",
+    budgets: str = "0.1,0.2,0.4",
+    prompts: str = "essays",
+    n: int = 20,
+    length: int = 4096,
+    out: Path = Path("results/perturbation"),
+    pairs: str | None = None,
+    mode: str = "agnostic",
+    generate: int = 16,
+    seed: int = 0,
+    dtype: str = "auto",
+    hidden: bool = True,
+    plots: bool = True,
+    exhaustive_check: bool = False,
+    exhaustive_trials: int = 200,
+    exhaustive_entries: int = 12,
+    exhaustive_budget: int = 4,
+    progress: bool = True,
+) -> dict:
+    """Run the analysis; write ``perturbation.json`` (and PNGs) under ``out``; return the JSON payload."""
+    started = time.perf_counter()
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    if not names:
+        raise CriticalKVError("--methods needs at least one method")
+    if "full" in names:
+        raise CriticalKVError("'full' is the reference every method is measured against; leave it out of --methods")
+    if len(set(names)) != len(names):
+        raise CriticalKVError(f"--methods lists a method twice: {names}")
+    built = {name: build_method(name) for name in names}  # unknown names fail before any work
+    parsed = [Budget.parse(b) for b in budgets.split(",") if b.strip()]
+    if not parsed:
+        raise CriticalKVError("--budgets needs at least one budget")
+    labels = [budget_label(b) for b in parsed]
+    pair_list = parse_pairs(pairs, names)
+    if mode not in MODES:
+        raise CriticalKVError(f"--mode must be one of {list(MODES)}, got {mode!r}")
+    if n < 0 or length < 1 or generate < 0:
+        raise CriticalKVError("--n, --length and --generate must be >= 0, >= 1 and >= 0")
+    out.mkdir(parents=True, exist_ok=True)
+    meta: dict = {
+        "command": " ".join(sys.argv),
+        "methods": names,
+        "budgets": labels,
+        "pairs": pair_list,
+        "regime": MODES[mode],
+        "mode": mode,
+        "prompts": prompts,
+        "n": n,
+        "length": length,
+        "generate": generate,
+        "seed": seed,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
+        "log_base": 10,
+    }
+    exhaustive = None
+    if exhaustive_check:
+        with console.status("exhaustive check: brute-force optimum on random heads"):
+            tick = time.perf_counter()
+            exhaustive = run_exhaustive_check(
+                trials=exhaustive_trials, entries=exhaustive_entries, budget=exhaustive_budget, seed=seed
+            )
+            exhaustive["seconds"] = time.perf_counter() - tick
+        s = exhaustive["selectors"]
+        console.print(
+            f"exhaustive check ({exhaustive_trials} random heads, n={exhaustive_entries}, b={exhaustive_budget}): "
+            f"ratio to optimum, mean/median: top-k {s['topk']['mean_ratio']:.3f}/{s['topk']['median_ratio']:.3f}, "
+            f"critical {s['critical']['mean_ratio']:.3f}/{s['critical']['median_ratio']:.3f}; "
+            f"critical better than top-k in {100 * exhaustive['fraction_critical_better']:.0f}% of trials",
+            markup=False,
+        )
+    results: list[PromptResult] = []
+    h_kv = 0
+    path = out / "perturbation.json"
+    if n > 0:
+        from criticalkv.models.presets import PRESETS as MODEL_PRESETS
+        from criticalkv.models.presets import load_model
+
+        with console.status(f"loading {model}"):
+            lm, tokenizer = load_model(model, dtype=dtype)
+        config = lm.config.get_text_config()
+        h_kv = config.num_key_value_heads
+        meta.update(
+            model=model,
+            model_type=config.model_type,
+            dtype=str(lm.dtype).removeprefix("torch."),
+            attention=lm.config._attn_implementation,
+            tokenizer=f"{type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '')})",
+            weights=MODEL_PRESETS[model].description if model in MODEL_PRESETS else "as stored in the model folder",
+            layers=config.num_hidden_layers,
+            query_heads=config.num_attention_heads,
+            kv_heads=h_kv,
+        )
+        if prompts == "essays":
+            prompt_list = essay_prompts(tokenizer, n, length, seed)
+        else:
+            source = Path(prompts).expanduser()
+            if not source.exists():
+                raise CriticalKVError(f"--prompts must be 'essays' or a text file / folder, got {prompts!r}")
+            prompt_list = text_prompts(tokenizer, source, n, length)
+        eos = tokenizer.eos_token_id
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, console=console, disable=not progress) as bar:
+            task = bar.add_task("perturbation", total=len(prompt_list) * len(names) * len(parsed))
+            for prompt in prompt_list:
+                context = prompt.context_ids + (prompt.question_ids if mode == "aware" else [])
+                question = None if mode == "aware" else torch.tensor([prompt.question_ids])
+                bar.update(task, description=f"prompt {prompt.index}: full-cache capture ({len(context)} tokens)")
+                captured = capture(lm, torch.tensor([context]), question, generate=generate, eos_token_id=eos)
+                info = {
+                    **prompt.info,
+                    "context_tokens": len(context),
+                    "question_tokens": captured.labels.count("question"),
+                    "generated_tokens": captured.labels.count("generated"),
+                    "generated_text": tokenizer.decode(captured.follow_ids[0, captured.labels.count("question") :]),
+                    "capture_seconds": captured.seconds,
+                }
+                result = measure_prompt(
+                    lm,
+                    captured,
+                    built,
+                    parsed,
+                    prompt.index,
+                    info,
+                    hidden=hidden,
+                    advance=lambda text: bar.update(task, advance=1, description=text),
+                )
+                results.append(result)
+                del captured
+                meta["seconds"] = time.perf_counter() - started
+                path.write_text(json.dumps(_payload(meta, results, names, labels, pair_list, h_kv, exhaustive)))
+    meta["seconds"] = time.perf_counter() - started
+    payload = _payload(meta, results, names, labels, pair_list, h_kv, exhaustive)
+    path.write_text(json.dumps(payload))
+    if results:
+        if plots:
+            _plots(out, results, payload["summary"], names, labels, pair_list)
+        _print_summary(payload["summary"], names, labels)
+    console.print(f"wrote {path} ({meta['seconds']:.0f} s)", markup=False)
+    return payload
+
+
+def perturbation(
+    model: Annotated[str, typer.Option(help="Preset name (smollm2-135m, ...) or a local model folder.")] = (
+        "smollm2-135m"
+    ),
+    methods: Annotated[
+        str, typer.Option(help="Comma-separated method presets; any preset name works. The first is the baseline.")
+    ] = "snapkv,critical-snapkv",
+    budgets: Annotated[
+        str, typer.Option(help="Comma-separated budgets: fractions (0.2) or entries per head (512).")
+    ] = "0.1,0.2,0.4",
+    prompts: Annotated[
+        str, typer.Option(help="'essays' (needle prompts from RULER's essays) or a .txt file / folder of .txt files.")
+    ] = "essays",
+    n: Annotated[int, typer.Option(help="Number of prompts (0: only the --exhaustive-check).")] = 20,
+    length: Annotated[int, typer.Option(help="Context length in tokens of each prompt.")] = 4096,
+    out: Annotated[Path, typer.Option(help="Output folder: perturbation.json and the PNG figures.")] = Path(
+        "results/perturbation"
+    ),
+    pairs: Annotated[
+        str | None, typer.Option(help="Pairs A:B to compare (B vs A), comma-separated; default each vs the first.")
+    ] = None,
+    mode: Annotated[
+        str, typer.Option(help="agnostic: compress the context, the question follows; aware: compress both.")
+    ] = "agnostic",
+    generate: Annotated[int, typer.Option(help="Greedy tokens of the full model whose queries are measured too.")] = 16,
+    seed: Annotated[int, typer.Option(help="Seed of the prompts and of the exhaustive check.")] = 0,
+    dtype: Annotated[str, typer.Option(help="auto (bfloat16 for presets), bfloat16 or float32.")] = "auto",
+    hidden: Annotated[
+        bool, typer.Option(help="Also decode over each compressed cache and compare the last hidden state.")
+    ] = True,
+    plots: Annotated[bool, typer.Option(help="Write the PNG figures.")] = True,
+    exhaustive_check: Annotated[
+        bool, typer.Option(help="Also compare the selectors with the brute-force optimum on random tiny heads.")
+    ] = False,
+    exhaustive_trials: Annotated[int, typer.Option(help="Random heads of the exhaustive check.")] = 200,
+    exhaustive_entries: Annotated[int, typer.Option(help="Entries per random head (<= 16).")] = 12,
+    exhaustive_budget: Annotated[int, typer.Option(help="Entries kept per random head.")] = 4,
+) -> None:
+    """Output perturbation per head of each method's kept set, against the full cache (CriticalKV's analysis)."""
+    try:
+        run_analysis(
+            model=model,
+            methods=methods,
+            budgets=budgets,
+            prompts=prompts,
+            n=n,
+            length=length,
+            out=out,
+            pairs=pairs,
+            mode=mode,
+            generate=generate,
+            seed=seed,
+            dtype=dtype,
+            hidden=hidden,
+            plots=plots,
+            exhaustive_check=exhaustive_check,
+            exhaustive_trials=exhaustive_trials,
+            exhaustive_entries=exhaustive_entries,
+            exhaustive_budget=exhaustive_budget,
+        )
+    except CriticalKVError as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from None

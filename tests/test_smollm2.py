@@ -1,0 +1,82 @@
+"""Integration on the real default model (SmolLM2-135M): eviction frees what it says, decoding over the
+variable-length cache equals a dense cache with the same entries masked, and the main command works."""
+
+import json
+
+import pytest
+import torch
+from test_runtime import _generate, _keep_by_layer, _masked_reference
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+import criticalkv
+from criticalkv.cache import CompressedLayer
+from criticalkv.cli import app
+from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts
+from criticalkv.runtime.session import ContextSession
+
+pytestmark = pytest.mark.model
+
+
+def _prompt(tokenizer, tokens: int) -> tuple[torch.Tensor, str]:
+    sample = build_needle_sample(tokenizer, tokens, seed=0)
+    prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
+    prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
+    return torch.tensor([prefix_ids + suffix_ids]), sample.answer
+
+
+def _load(folder, dtype):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
+
+
+def test_kv_bytes_are_kept_entries_at_4k(smollm2_folder, smollm2_tokenizer):
+    model = _load(smollm2_folder, torch.bfloat16)
+    ids, _ = _prompt(smollm2_tokenizer, 4096)
+    session = ContextSession(model, "critical-snapkv", 0.2)
+    session.prefill(ids)
+    kept = sum(int(r.kept.sum()) for r in session.compressor.records)
+    assert kept == 30 * 3 * int(0.2 * ids.shape[1] + 1e-9)  # 30 layers x 3 KV heads x floor(0.2 t)
+    entry_bytes = kept * 2 * 64 * 2  # keys and values, head_dim 64, bfloat16
+    assert session.kv_entries() == kept
+    assert entry_bytes <= session.kv_bytes() <= 1.01 * entry_bytes
+    assert session.kv_bytes() < 0.21 * ids.shape[1] * 30 * 3 * 2 * 64 * 2  # against the full cache
+
+
+def test_adakv_decoding_equals_masked_dense_cache(smollm2_folder, smollm2_tokenizer, capture_decisions):
+    model = _load(smollm2_folder, torch.float32)
+    ids, _ = _prompt(smollm2_tokenizer, 1024)
+    with criticalkv.compress(model, "critical-adakv", budget=0.2) as compressor:
+        tokens, logits = _generate(model, ids, n=8)
+        cache = compressor.active_cache
+    keep = _keep_by_layer(capture_decisions)
+    assert len(keep) == 30 and any(len(set(k[0].sum(-1).tolist())) > 1 for k in keep.values())  # head-wise budgets
+    ref_tokens, ref_logits = _masked_reference(model, ids, None, keep, ids.shape[1], n=8)
+    assert torch.equal(tokens, ref_tokens)
+    assert (logits - ref_logits).abs().max().item() <= 1e-4
+    layers = [layer for layer in cache.layers if isinstance(layer, CompressedLayer)]
+    assert all(layer.context_keys.shape[0] == int(k.sum()) for layer, k in zip(layers, keep.values(), strict=True))
+
+
+def test_run_command_finds_the_needle_with_the_full_cache(tmp_path):
+    report = tmp_path / "run.json"
+    result = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "--method",
+            "critical-snapkv",
+            "--context-tokens",
+            "1024",
+            "--max-new-tokens",
+            "12",
+            "--json",
+            str(report),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    by_method = {r["method"]: r for r in data["results"]}
+    assert by_method["full"]["found"] is True
+    assert by_method["critical-snapkv"]["kept_fraction"] == pytest.approx(0.2, abs=0.005)
+    assert by_method["critical-snapkv"]["kv_bytes_after_compression"] < 0.21 * by_method["full"]["kv_bytes_full"]
+    assert data["mode"] == "question-aware"
