@@ -266,8 +266,13 @@ def test_measured_prompt_bounds_and_runtime_agreement():
     model = _tiny_model()
     cap = capture(model, _ids(150, 5), _ids(6, 6), generate=4)
     methods = {"snapkv": build_method("snapkv"), "critical-snapkv": build_method("critical-snapkv")}
-    result = measure_prompt(model, cap, methods, [Budget(0.3), Budget(0.6), Budget(1.0)])
+    result = measure_prompt(model, cap, methods, [Budget(0.3), Budget(0.6), Budget(1.0)], one_forward=False)
     assert result.info["full_path_vs_capture_l1"] == 0.0  # the comparison path itself adds nothing
+    fast = measure_prompt(model, cap, {"snapkv": methods["snapkv"]}, [Budget(0.3)])  # following tokens at once
+    assert fast.info["full_path_vs_capture_l1"] < 1e-4 * float(cap.hidden.abs().sum(-1).mean())
+    assert fast.scalars[("snapkv", "0.3")]["hidden_l1_all"] == pytest.approx(
+        result.scalars[("snapkv", "0.3")]["hidden_l1_all"], rel=1e-3
+    )
     for (name, budget), scalars in result.scalars.items():
         assert scalars["bound_violations_paper"] == 0 and scalars["bound_violations_tight"] == 0, (name, budget)
         assert scalars["runtime_kept_same_set"] == 1.0, (name, budget)

@@ -102,3 +102,14 @@ def test_report_tables_and_loss(tmp_path):
     assert "| snapkv | 0.2 | 40.0 | 40.0 | 40.0 | 50.0% |" in text
     assert (tmp_path / "score_vs_budget_agnostic.png").stat().st_size > 1000
     assert (tmp_path / "summary.csv").read_text().count("\n") == 4
+
+
+def test_eval_cli_refuses_bad_input():
+    from typer.testing import CliRunner
+
+    from criticalkv.cli import app
+
+    result = CliRunner().invoke(app, ["eval", "ruler", "--tasks", "niah_single_1,nope"])
+    assert result.exit_code == 2 and "unknown RULER task" in result.output
+    result = CliRunner().invoke(app, ["eval", "ruler", "--tasks", "vt", "--budgets", "1.5"])
+    assert result.exit_code == 2 and "fractional budget" in result.output

@@ -16,12 +16,14 @@ from rich.table import Table
 
 from criticalkv.budget import Budget
 from criticalkv.errors import CriticalKVError
+from criticalkv.eval.commands import app as eval_app
 from criticalkv.methods import PRESETS, build_method
 from criticalkv.models.presets import DEFAULT_PRESET, list_presets, load_model
 from criticalkv.progress import layer_progress
 from criticalkv.runtime.session import ContextSession
 
 app = typer.Typer(help="KV-cache eviction for long-context inference: CriticalKV over SnapKV and friends.")
+app.add_typer(eval_app, name="eval")
 console = Console()
 
 

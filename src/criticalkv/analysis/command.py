@@ -225,6 +225,7 @@ def run_analysis(
     seed: int = 0,
     dtype: str = "auto",
     hidden: bool = True,
+    stepwise: bool = False,
     plots: bool = True,
     exhaustive_check: bool = False,
     exhaustive_trials: int = 200,
@@ -263,6 +264,9 @@ def run_analysis(
         "n": n,
         "length": length,
         "generate": generate,
+        "hidden_state_decode": "one forward per prompt over all following tokens (teacher forcing)"
+        if not stepwise
+        else "the question in one forward, then one forward per generated token (teacher forcing)",
         "seed": seed,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
@@ -345,6 +349,7 @@ def run_analysis(
                     info,
                     hidden=hidden,
                     advance=lambda text: bar.update(task, advance=1, description=text),
+                    one_forward=not stepwise,
                 )
                 results.append(result)
                 del captured
@@ -391,6 +396,10 @@ def perturbation(
     hidden: Annotated[
         bool, typer.Option(help="Also decode over each compressed cache and compare the last hidden state.")
     ] = True,
+    stepwise: Annotated[
+        bool,
+        typer.Option(help="Feed the following tokens over each compressed cache one by one, as a decode (slower)."),
+    ] = False,
     plots: Annotated[bool, typer.Option(help="Write the PNG figures.")] = True,
     exhaustive_check: Annotated[
         bool, typer.Option(help="Also compare the selectors with the brute-force optimum on random tiny heads.")
@@ -415,6 +424,7 @@ def perturbation(
             seed=seed,
             dtype=dtype,
             hidden=hidden,
+            stepwise=stepwise,
             plots=plots,
             exhaustive_check=exhaustive_check,
             exhaustive_trials=exhaustive_trials,

@@ -1,0 +1,152 @@
+"""``criticalkv eval ruler`` and ``criticalkv eval needle``: sweeps over methods and budgets, one prefill per sample."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from criticalkv.budget import Budget
+from criticalkv.errors import CriticalKVError
+from criticalkv.eval.report import write_report
+from criticalkv.eval.sweep import REGIMES, load_rows, pair_label, run_sweep
+from criticalkv.models.presets import DEFAULT_PRESET, load_model
+
+app = typer.Typer(help="Benchmarks: RULER and needle-in-a-haystack, generated offline.", no_args_is_help=True)
+console = Console()
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _fail(error: Exception) -> None:
+    console.print(f"[red]error:[/red] {error}")
+    raise typer.Exit(2) from None
+
+
+@app.command()
+def ruler(
+    model: Annotated[str, typer.Option(help="Preset name, local folder or hub id.")] = DEFAULT_PRESET,
+    methods: Annotated[str, typer.Option(help="Comma-separated presets (the full cache always runs).")] = (
+        "snapkv,critical-snapkv"
+    ),
+    budgets: Annotated[str, typer.Option(help="Comma-separated budgets.")] = "0.2",
+    tasks: Annotated[str, typer.Option(help="Comma-separated RULER tasks (default: all 13).")] = "",
+    length: Annotated[int, typer.Option(help="Prompt length in the model's tokens.")] = 4096,
+    samples: Annotated[int, typer.Option(help="Samples per task.")] = 20,
+    question_aware: Annotated[bool, typer.Option(help="Compress the question with the context.")] = False,
+    max_new_tokens: Annotated[int, typer.Option(help="Cap on generated tokens (0: RULER's per task).")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the generated samples.")] = 0,
+    out: Annotated[Path | None, typer.Option(help="Results folder (resumes if it has results).")] = None,
+) -> None:
+    """RULER's 13 tasks: every method and budget against the full cache, with compression loss."""
+    from criticalkv.eval import ruler as ruler_data
+
+    try:
+        chosen = _split(tasks) or list(ruler_data.TASKS)
+        unknown = [t for t in chosen if t not in ruler_data.TASKS]
+        if unknown:
+            raise CriticalKVError(f"unknown RULER task(s) {unknown}; tasks: {', '.join(ruler_data.TASKS)}")
+        parsed = [Budget.parse(b) for b in _split(budgets)]
+        regime = "aware" if question_aware else "agnostic"
+        folder = out or Path("results") / f"ruler-{Path(model).name}-{length}-{regime}"
+        loaded, tokenizer = load_model(model)
+        max_length = getattr(loaded.config, "max_position_embeddings", None)
+        if max_length is not None and length > max_length:
+            raise CriticalKVError(f"length {length} exceeds the model's maximum of {max_length} positions")
+
+        def all_samples():
+            for task in chosen:
+                yield from ruler_data.generate(task, tokenizer, length, samples, seed=seed, max_length=max_length)
+
+        def budget_of(sample) -> int:
+            default = ruler_data.TOKENS_TO_GENERATE[sample.task]
+            return min(default, max_new_tokens) if max_new_tokens else default
+
+        run_sweep(
+            loaded,
+            tokenizer,
+            all_samples(),
+            ruler_data.score,
+            _split(methods),
+            parsed,
+            regime,
+            folder,
+            budget_of,
+            total=len(chosen) * samples,
+        )
+    except CriticalKVError as error:
+        _fail(error)
+    console.print(f"wrote {write_report(folder, f'RULER-{length}, {Path(model).name}, question-{regime}')}")
+
+
+@dataclass
+class _NeedleItem:
+    task: str
+    index: int
+    context: str
+    question: str
+    answer_prefix: str
+    answer: str
+
+
+@app.command()
+def needle(
+    model: Annotated[str, typer.Option(help="Preset name, local folder or hub id.")] = DEFAULT_PRESET,
+    methods: Annotated[str, typer.Option(help="Comma-separated presets.")] = "snapkv,critical-snapkv",
+    budget: Annotated[str, typer.Option(help="One budget.")] = "0.2",
+    lengths: Annotated[str, typer.Option(help="Comma-separated context lengths.")] = "1024,2048,4096",
+    depths: Annotated[str, typer.Option(help="Comma-separated depths in [0, 1].")] = "0,0.25,0.5,0.75,1",
+    question_aware: Annotated[bool, typer.Option(help="Compress the question with the context.")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of the needles.")] = 0,
+    out: Annotated[Path | None, typer.Option(help="Results folder.")] = None,
+) -> None:
+    """Needle in a haystack over depths x lengths: one heatmap per method."""
+    from criticalkv.eval.needle_grid import needle_grid, plot_heatmap
+
+    try:
+        parsed = Budget.parse(budget)
+        regime = "aware" if question_aware else "agnostic"
+        folder = out or Path("results") / f"needle-{Path(model).name}-{regime}"
+        loaded, tokenizer = load_model(model)
+        cells = needle_grid(tokenizer, [int(x) for x in _split(lengths)], [float(x) for x in _split(depths)], seed)
+        items = [
+            _NeedleItem(
+                f"needle-{c.length}", i, c.sample.context, c.sample.question, c.sample.answer_prefix, c.sample.answer
+            )
+            for i, c in enumerate(cells)
+        ]
+        run_sweep(
+            loaded,
+            tokenizer,
+            items,
+            lambda s, p: 100.0 * (s.answer in p),
+            _split(methods),
+            [parsed],
+            regime,
+            folder,
+            lambda s: 16,
+            total=len(items),
+        )
+    except CriticalKVError as error:
+        _fail(error)
+    rows = [r for r in load_rows(folder / "results.jsonl") if r.regime == regime]
+    grids: dict[str, dict] = {}
+    for row in rows:
+        cell = cells[row.index]
+        grids.setdefault(pair_label(row.method, Budget.parse(row.budget)), {})[(cell.length, cell.depth)] = row.score
+    for label, scores in grids.items():
+        path = folder / f"heatmap_{label.replace('@', '_')}.png"
+        plot_heatmap(scores, path, f"{label} · {Path(model).name} · question-{regime}")
+        console.print(f"wrote {path}")
+    (folder / "heatmaps.json").write_text(
+        json.dumps({label: {f"{k[0]}@{k[1]}": v for k, v in s.items()} for label, s in grids.items()}, indent=2)
+    )
+
+
+__all__ = ["REGIMES", "app"]
