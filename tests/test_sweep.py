@@ -110,6 +110,6 @@ def test_eval_cli_refuses_bad_input():
     from criticalkv.cli import app
 
     result = CliRunner().invoke(app, ["eval", "ruler", "--tasks", "niah_single_1,nope"])
-    assert result.exit_code == 2 and "unknown RULER task" in result.output
+    assert result.exit_code == 2 and "unknown RULER task(s) ['nope']" in " ".join(result.output.split())
     result = CliRunner().invoke(app, ["eval", "ruler", "--tasks", "vt", "--budgets", "1.5"])
-    assert result.exit_code == 2 and "fractional budget" in result.output
+    assert result.exit_code == 2 and "fractional budget must be in (0, 1]" in " ".join(result.output.split())
