@@ -49,11 +49,12 @@ class Budget:
         if isinstance(value, str):
             text = value.strip()
             try:
-                return cls(int(text)) if text.isdigit() else cls(float(text))
+                number: float | int = int(text) if text.isdigit() else float(text)
             except ValueError:
                 raise BudgetError(
                     f"cannot read budget {value!r}: use a fraction like 0.2 or a count like 512"
                 ) from None
+            return cls(number)
         return cls(value)
 
     @property
