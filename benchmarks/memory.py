@@ -82,9 +82,12 @@ def main() -> None:
     parser.add_argument("--budget", default="0.2")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=Path("results/memory.json"))
     parser.add_argument("--single", help=argparse.SUPPRESS)  # internal: run one method in this process
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.single:
         result = measure(args.model, args.single, args.budget, args.tokens, args.decode_tokens, args.dtype)
         print(json.dumps(result))
@@ -93,7 +96,7 @@ def main() -> None:
     for method in [m.strip() for m in args.methods.split(",")]:
         command = [sys.executable, __file__, "--single", method] + [
             x
-            for k in ("model", "tokens", "budget", "decode_tokens", "dtype")
+            for k in ("model", "tokens", "budget", "decode_tokens", "dtype", "threads")
             for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))
         ]
         done = subprocess.run(command, check=True, capture_output=True, text=True)

@@ -29,8 +29,11 @@ def main() -> None:
     parser.add_argument("--budget", default="0.2")
     parser.add_argument("--methods", default="full,snapkv,critical-snapkv")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=Path("results/prefill_overhead.json"))
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     model, tokenizer = load_model(args.model, dtype=args.dtype)
     sample = build_needle_sample(tokenizer, args.tokens, seed=0)
