@@ -1,7 +1,7 @@
 """Prefill time of compressed methods against no compression (median of N runs), on one prompt.
 
     python benchmarks/prefill_overhead.py --model smollm2-135m --tokens 4096 --repeats 5 \
-        --methods full,snapkv,critical-snapkv --out results/prefill_overhead.json
+        --methods "full,snapkv,critical-snapkv,critical-snapkv:norm_dtype=model" --out results/prefill_overhead.json
 """
 
 from __future__ import annotations
@@ -19,6 +19,13 @@ import transformers
 from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts
 from criticalkv.models.presets import load_model
 from criticalkv.runtime.session import ContextSession
+
+
+def _method_and_options(spec: str) -> tuple[str, dict]:
+    """``critical-snapkv:norm_dtype=model`` -> ("critical-snapkv", {"norm_dtype": "model"})."""
+    name, _, rest = spec.partition(":")
+    options = dict(item.split("=", 1) for item in rest.split(";") if item)
+    return name, options
 
 
 def main() -> None:
@@ -41,7 +48,7 @@ def main() -> None:
     prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
     ids = torch.tensor([prefix_ids + suffix_ids])
     methods = [m.strip() for m in args.methods.split(",")]
-    sessions = {name: ContextSession(model, name, args.budget) for name in methods}
+    sessions = {name: ContextSession(model, *_method_and_options(name), budget=args.budget) for name in methods}
     times: dict[str, list[float]] = {name: [] for name in methods}
     sessions[methods[0]].prefill(ids)  # warm-up
     for _ in range(args.repeats):  # interleaved, so drifts of the machine hit every method alike

@@ -38,9 +38,19 @@ from criticalkv.budget import Budget
 from criticalkv.errors import CriticalKVError
 from criticalkv.methods import build_method
 
-__all__ = ["Prompt", "essay_prompts", "parse_pairs", "perturbation", "run_analysis", "text_prompts"]
+__all__ = [
+    "Prompt",
+    "essay_prompts",
+    "load_results",
+    "parse_pairs",
+    "perturbation",
+    "resummarise",
+    "run_analysis",
+    "text_prompts",
+]
 
 console = Console(stderr=True)
+DEFAULT_OUT = Path("results/perturbation")
 TEXT_QUESTION = "What is the text above about? Answer in one sentence."
 MODES = {
     "agnostic": "question-agnostic: the context is compressed before the question is seen; the question follows",
@@ -153,6 +163,46 @@ def _payload(meta, results: list[PromptResult], methods, budgets, pairs, h_kv, e
     return _clean(data)
 
 
+def load_results(path: Path) -> tuple[dict, list[PromptResult]]:
+    """Read a ``perturbation.json`` back into its payload and one ``PromptResult`` per prompt."""
+    data = json.loads(Path(path).read_text())
+    if "results" not in data:
+        raise CriticalKVError(f"{path} holds no per-prompt results")
+    results = []
+    for i, info in enumerate(data["prompts"]):
+        rest = {k: v for k, v in info.items() if k not in ("index", "seconds")}
+        result = PromptResult(info["index"], rest, data["layers"], seconds=info.get("seconds", {}))
+        for name, by_budget in data["results"].items():
+            for budget, entry in by_budget.items():
+                result.heads[(name, budget)] = {
+                    q: {s: np.array(v[i], dtype=np.float64) for s, v in per.items()}  # null -> NaN
+                    for q, per in entry["heads"].items()
+                }
+                result.scalars[(name, budget)] = {
+                    k: math.nan if v is None else v for k, v in entry["per_prompt"][i].items()
+                }
+        results.append(result)
+    return data, results
+
+
+def resummarise(path: Path, pairs: str | None = None, plots: bool = True, out: Path | None = None) -> dict:
+    """Recompute the summary (and the figures) of an earlier run from its ``perturbation.json``; ``pairs`` may
+    differ from the run's. Rewrites the file's summary; figures go to ``out`` (default: the file's folder)."""
+    data, results = load_results(path)
+    meta = data["meta"]
+    names, labels = meta["methods"], meta["budgets"]
+    pair_list = parse_pairs(pairs, names) if pairs else [tuple(p) for p in meta["pairs"]]
+    meta["pairs"] = pair_list
+    data["summary"] = _clean(summarise(results, names, labels, pair_list, meta["kv_heads"]))
+    Path(path).write_text(json.dumps(data))
+    out = Path(path).parent if out is None else out
+    out.mkdir(parents=True, exist_ok=True)
+    if plots:
+        _plots(out, results, data["summary"], names, labels, pair_list)
+    _print_summary(data["summary"], names, labels)
+    return data
+
+
 def _plots(out: Path, results: list[PromptResult], summary: dict, methods, budgets, pairs) -> list[Path]:
     written = []
     layers = results[0].layers
@@ -167,7 +217,7 @@ def _plots(out: Path, results: list[PromptResult], summary: dict, methods, budge
             row = next(p for p in summary["pairs"] if (p["a"], p["b"], p["budget"], p["subset"]) == wanted)
             headline[budget] = row["heads_per_prompt"]
         stem = file_stem(a, b)
-        written.append(plot_ratio_histogram(per_prompt, a, b, out / f"hist_{stem}.png"))
+        written.append(plot_ratio_histogram(per_prompt, a, b, out / f"hist_{stem}.png", headline))
         written.append(plot_ratio_heatmap(heads, layers, a, b, out / f"heatmap_{stem}.png"))
     per_layer = {m: {bud: summary["per_layer"][m][bud]["all"] for bud in budgets} for m in methods}
     written.append(plot_layers(per_layer, layers, out / "layers.png"))
@@ -178,19 +228,22 @@ def _plots(out: Path, results: list[PromptResult], summary: dict, methods, budge
 
 
 def _print_summary(summary: dict, methods, budgets) -> None:
-    table = Table("A", "B", "budget", "heads B<A", "median log10 B/A", "mean log10 B/A", "(prompt,layer,head) B<A")
+    table = Table(
+        "A", "B", "budget", "heads B<A", "median log10 B/A", "mean B / mean A", "(prompt,layer,head) B<A", "hidden B<A"
+    )
     for row in summary["pairs"]:
         if row["subset"] != "all":
             continue
-        h, hp = row["heads"], row["heads_per_prompt"]
+        h, hp, hs = row["heads"], row["heads_per_prompt"], row.get("hidden_state")
         table.add_row(
             row["a"],
             row["b"],
             row["budget"],
             f"{100 * h['fraction_b_lower']:.1f}%",
             f"{h['median_log10_ratio']:+.3f}",
-            f"{h['mean_log10_ratio']:+.3f}",
+            f"{h['ratio_of_means']:.3f}",
             f"{100 * hp['fraction_b_lower']:.1f}%",
+            f"{hs['fraction_b_lower'] * hs['n']:.0f}/{hs['n']}" if hs else "-",
         )
     if summary["pairs"]:
         console.print(table)
@@ -218,7 +271,7 @@ def run_analysis(
     prompts: str = "essays",
     n: int = 20,
     length: int = 4096,
-    out: Path = Path("results/perturbation"),
+    out: Path | None = None,
     pairs: str | None = None,
     mode: str = "agnostic",
     generate: int = 16,
@@ -226,14 +279,24 @@ def run_analysis(
     dtype: str = "auto",
     hidden: bool = True,
     stepwise: bool = False,
+    window_queries: int = 32,
     plots: bool = True,
     exhaustive_check: bool = False,
     exhaustive_trials: int = 200,
     exhaustive_entries: int = 12,
     exhaustive_budget: int = 4,
     progress: bool = True,
+    from_json: Path | None = None,
 ) -> dict:
-    """Run the analysis; write ``perturbation.json`` (and PNGs) under ``out``; return the JSON payload."""
+    """Run the analysis; write ``perturbation.json`` (and PNGs) under ``out`` (default ``results/perturbation``);
+    return the JSON payload.
+
+    ``from_json``: measure nothing; recompute the summary and the figures of that earlier ``perturbation.json``
+    (figures in ``out``, default the file's folder).
+    """
+    if from_json is not None:
+        return resummarise(from_json, pairs, plots, out)
+    out = DEFAULT_OUT if out is None else out
     started = time.perf_counter()
     names = [m.strip() for m in methods.split(",") if m.strip()]
     if not names:
@@ -267,6 +330,7 @@ def run_analysis(
         "hidden_state_decode": "one forward per prompt over all following tokens (teacher forcing)"
         if not stepwise
         else "the question in one forward, then one forward per generated token (teacher forcing)",
+        "window_queries": window_queries,
         "seed": seed,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
@@ -350,6 +414,7 @@ def run_analysis(
                     hidden=hidden,
                     advance=lambda text: bar.update(task, advance=1, description=text),
                     one_forward=not stepwise,
+                    window=window_queries,
                 )
                 results.append(result)
                 del captured
@@ -381,9 +446,13 @@ def perturbation(
     ] = "essays",
     n: Annotated[int, typer.Option(help="Number of prompts (0: only the --exhaustive-check).")] = 20,
     length: Annotated[int, typer.Option(help="Context length in tokens of each prompt.")] = 4096,
-    out: Annotated[Path, typer.Option(help="Output folder: perturbation.json and the PNG figures.")] = Path(
-        "results/perturbation"
-    ),
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Output folder of perturbation.json and the PNGs [default: results/perturbation; with --from-json, "
+            "that file's folder]."
+        ),
+    ] = None,
     pairs: Annotated[
         str | None, typer.Option(help="Pairs A:B to compare (B vs A), comma-separated; default each vs the first.")
     ] = None,
@@ -400,6 +469,10 @@ def perturbation(
         bool,
         typer.Option(help="Feed the following tokens over each compressed cache one by one, as a decode (slower)."),
     ] = False,
+    window_queries: Annotated[
+        int,
+        typer.Option(help="Also measure the last N prompt tokens as queries (the 'window' subset; 0: off)."),
+    ] = 32,
     plots: Annotated[bool, typer.Option(help="Write the PNG figures.")] = True,
     exhaustive_check: Annotated[
         bool, typer.Option(help="Also compare the selectors with the brute-force optimum on random tiny heads.")
@@ -407,6 +480,10 @@ def perturbation(
     exhaustive_trials: Annotated[int, typer.Option(help="Random heads of the exhaustive check.")] = 200,
     exhaustive_entries: Annotated[int, typer.Option(help="Entries per random head (<= 16).")] = 12,
     exhaustive_budget: Annotated[int, typer.Option(help="Entries kept per random head.")] = 4,
+    from_json: Annotated[
+        Path | None,
+        typer.Option(help="Measure nothing: recompute the summary and figures of an earlier perturbation.json."),
+    ] = None,
 ) -> None:
     """Output perturbation per head of each method's kept set, against the full cache (CriticalKV's analysis)."""
     try:
@@ -425,11 +502,13 @@ def perturbation(
             dtype=dtype,
             hidden=hidden,
             stepwise=stepwise,
+            window_queries=window_queries,
             plots=plots,
             exhaustive_check=exhaustive_check,
             exhaustive_trials=exhaustive_trials,
             exhaustive_entries=exhaustive_entries,
             exhaustive_budget=exhaustive_budget,
+            from_json=from_json,
         )
     except CriticalKVError as error:
         console.print(f"[red]error:[/red] {error}")

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,7 +54,10 @@ __all__ = [
     "measure_prompt",
 ]
 
-SUBSETS = ("all", "question", "generated")  # which following queries a figure averages over
+# Which queries a figure averages over: "all" following tokens (question + generated), each kind alone, and, as a
+# diagnostic, the last prompt tokens themselves ("window": the observation window SnapKV scores with, reading the
+# context causally): the queries the selection was made for, not queries that come later.
+SUBSETS = ("all", "question", "generated", "window")
 _NORM_CHUNK = 4 * 1024 * 1024  # elements of the largest (b, h_kv, G, chunk, hidden) product built at once
 
 
@@ -115,6 +119,9 @@ class LayerAttention:
         None when the queries read only the context.
     valid
         (b, t) bool, False on padding; None: all valid.
+    query_positions
+        (f,) long: the queries are context tokens at these positions and read the context causally (keys at
+        positions <= their own); use it without following keys. None: every query reads the whole context.
     """
 
     def __init__(
@@ -127,6 +134,7 @@ class LayerAttention:
         follow_keys: torch.Tensor | None = None,
         follow_values: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
+        query_positions: torch.Tensor | None = None,
     ) -> None:
         b, h_q, f, d = query.shape
         h_kv, t = keys.shape[1], keys.shape[2]
@@ -146,6 +154,9 @@ class LayerAttention:
         self.valid = valid
         # allowed (b, 1, 1, f, n): every valid context key, and the following keys causally
         ctx = valid[:, None, None, None, :].expand(b, 1, 1, f, t)
+        if query_positions is not None:
+            causal_ctx = torch.arange(t, device=keys.device)[None, :] <= query_positions.to(keys.device)[:, None]
+            ctx = ctx & causal_ctx[None, None, None]  # (b, 1, 1, f, t)
         if self.n_follow:
             causal = torch.ones(f, f, dtype=torch.bool, device=keys.device).tril()
             self.follow_allowed = causal[None, None, None].expand(b, 1, 1, f, f)
@@ -172,6 +183,7 @@ class LayerAttention:
             raise ValueError(f"keep mask must be {(b, h_kv, t)}, got {tuple(keep.shape)}")
         kept_ctx = (keep.bool() & self.valid[:, None, :])[:, :, None, None, :].expand(b, h_kv, 1, f, t)
         kept = torch.cat([kept_ctx, self.follow_allowed.expand(b, h_kv, 1, f, f)], -1) if self.n_follow else kept_ctx
+        kept = kept & self.allowed
         # ô: the runtime's attention over the kept entries (softmax renormalised on S); a row that keeps nothing
         # (possible only without following keys) has no output: 0.
         renorm = torch.softmax(self.logits.masked_fill(~kept, float("-inf")), dim=-1).nan_to_num(0.0)
@@ -352,21 +364,31 @@ def measure_prompt(
     hidden: bool = True,
     advance: Callable[[str], None] | None = None,
     one_forward: bool = True,
+    window: int = 32,
 ) -> PromptResult:
     """Output perturbation of every (method, budget) on one captured prompt (batch of one).
 
     ``advance(description)`` is called once per (method, budget) done (for a progress bar). ``hidden``: also decode
     the following tokens over each compressed cache (``compressed_hidden_states``, with ``one_forward``) and compare
-    the last hidden state with the full cache's.
+    the last hidden state with the full cache's. ``window``: the last prompt tokens measured as the "window" subset
+    (0: none).
+
+    The per-layer figures run on one thread: they are small and memory-bound, and a second thread only adds
+    synchronisation (ten times slower on a busy 2-core machine); the model forwards keep torch's setting.
     """
     if capture.context_ids.shape[0] != 1:
         raise ValueError("measure_prompt takes a capture of one prompt (batch size 1)")
     analysed = capture.analysed
     result = PromptResult(index, dict(info or {}), [c.layer for c in analysed])
-    subsets = {s: capture.label_mask(s) for s in SUBSETS}
+    follow_subsets = {s: capture.label_mask(s) for s in SUBSETS if s != "window"}
     start = time.perf_counter()
     views = [c.view() for c in analysed]  # one view per layer: methods sharing a scorer share its scores
-    attentions = [_layer_attention(c) for c in analysed]
+    with _threads(1):
+        sources = [[(_layer_attention(c), follow_subsets)] for c in analysed]
+        if window > 0:
+            for per_layer, c in zip(sources, analysed, strict=True):
+                attention = _window_attention(c, window)
+                per_layer.append((attention, {"window": torch.ones(attention.shape[4], dtype=torch.bool)}))
     result.seconds["attention"] = time.perf_counter() - start
     keeps: dict[str, list[torch.Tensor]] = {}
     labels: dict[str, tuple[str, str]] = {}
@@ -380,18 +402,24 @@ def measure_prompt(
             violations = {"paper": 0, "tight": 0}
             below_half = 0
             checked = 0
-            for attention, keep in zip(attentions, layer_keeps, strict=True):
-                hp = attention.perturbation(keep)
-                for q in figures:
-                    values = getattr(hp, q)
-                    for s, select in subsets.items():
-                        figures[q][s].append(_mean_over(values, select))
-                slack = violation_slack(hp)
-                violations["paper"] += int((hp.perturbation > hp.bound_paper + slack).sum())
-                violations["tight"] += int((hp.perturbation > hp.bound_tight + slack).sum())
-                below_half += int((hp.kept_mass < 0.5).sum())
-                checked += hp.kept_mass.numel()
-            result.heads[key] = {q: {s: np.stack(v) for s, v in per.items()} for q, per in figures.items()}
+            with _threads(1):
+                for per_layer, keep in zip(sources, layer_keeps, strict=True):
+                    for attention, subsets in per_layer:
+                        hp = attention.perturbation(keep)
+                        for q in figures:
+                            values = getattr(hp, q)
+                            for s, select in subsets.items():
+                                figures[q][s].append(_mean_over(values, select))
+                        slack = violation_slack(hp)
+                        violations["paper"] += int((hp.perturbation > hp.bound_paper + slack).sum())
+                        violations["tight"] += int((hp.perturbation > hp.bound_tight + slack).sum())
+                        below_half += int((hp.kept_mass < 0.5).sum())
+                        checked += hp.kept_mass.numel()
+            h_q = analysed[0].query.shape[1]
+            result.heads[key] = {
+                q: {s: np.stack(v) if v else np.full((len(analysed), h_q), np.nan) for s, v in per.items()}
+                for q, per in figures.items()
+            }
             kept = sum(int(k.sum()) for k in layer_keeps)
             total = sum(int(c.valid.sum()) * c.keys.shape[1] for c in analysed)
             result.scalars[key] = {
@@ -419,7 +447,7 @@ def measure_prompt(
             run = runs[label]
             l1 = (run.hidden.float() - reference).abs().sum(-1)  # (1, f)
             scalars = result.scalars[labels[label]]
-            for s, select in subsets.items():
+            for s, select in follow_subsets.items():
                 any_ = bool(select.any())
                 scalars[f"hidden_l1_{s}"] = float(l1[0, select].mean()) if any_ else math.nan
                 scalars[f"hidden_l1_relative_{s}"] = float((l1 / norm)[0, select].mean()) if any_ else math.nan
@@ -434,6 +462,27 @@ def measure_prompt(
 def _layer_attention(c: LayerCapture) -> LayerAttention:
     w_heads = head_output_weights(c.module.o_proj.weight, c.query.shape[1])
     return LayerAttention(c.follow_query, c.keys, c.values, w_heads, c.scaling, c.follow_keys, c.follow_values, c.valid)
+
+
+def _window_attention(c: LayerCapture, window: int) -> LayerAttention:
+    """The last ``window`` prompt tokens as queries, reading the context causally."""
+    t = c.keys.shape[2]
+    w = min(window, t)
+    w_heads = head_output_weights(c.module.o_proj.weight, c.query.shape[1])
+    positions = torch.arange(t - w, t, device=c.keys.device)
+    return LayerAttention(
+        c.query[:, :, t - w :], c.keys, c.values, w_heads, c.scaling, valid=c.valid, query_positions=positions
+    )
+
+
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(min(n, before))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def budget_label(budget: Budget) -> str:
@@ -463,7 +512,8 @@ def nanmean(x: np.ndarray, axis: int | None = None) -> np.ndarray:
 
 
 def compare(a: np.ndarray, b: np.ndarray) -> dict[str, float | int]:
-    """Head-by-head comparison of B with A (same shapes): how often B is lower, and log10(B / A).
+    """Head-by-head comparison of B with A (same shapes): how often B is lower, log10(B / A), and the ratio of the
+    means (mean B / mean A: large perturbations weigh more than in the median of the log ratio).
 
     Entries where either is NaN are left out; the log ratio is taken where both are > 0.
     """
@@ -480,6 +530,7 @@ def compare(a: np.ndarray, b: np.ndarray) -> dict[str, float | int]:
         "n_ratio": int(pos.sum()),
         "median_log10_ratio": float(np.median(ratio)) if ratio.size else math.nan,
         "mean_log10_ratio": float(np.mean(ratio)) if ratio.size else math.nan,
+        "ratio_of_means": float(b.mean() / a.mean()) if n and a.mean() > 0 else math.nan,
     }
 
 
@@ -489,6 +540,16 @@ def log10_ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         out = np.log10(b / a)
     out[~((a > 0) & (b > 0))] = np.nan
     return out
+
+
+def _compare_hidden(results, a_key, b_key, subset) -> dict | None:
+    """Per-prompt comparison of the last hidden-state perturbation (None when it was not measured)."""
+    name = f"hidden_l1_{subset}"
+    if name not in results[0].scalars[a_key]:
+        return None
+    a = np.array([r.scalars[a_key][name] for r in results], dtype=np.float64)
+    b = np.array([r.scalars[b_key][name] for r in results], dtype=np.float64)
+    return {"mean_a": float(nanmean(a)), "mean_b": float(nanmean(b)), **compare(a, b)}
 
 
 def summarise(
@@ -518,6 +579,8 @@ def summarise(
                         "heads": compare(nanmean(a, 0), nanmean(b, 0)),  # (layer, head), prompt means
                         "heads_per_prompt": compare(a, b),  # (prompt, layer, head)
                         "kv_heads": compare(nanmean(group_mean(a, h_kv), 0), nanmean(group_mean(b, h_kv), 0)),
+                        "layers": compare(nanmean(nanmean(a, 0), 1), nanmean(nanmean(b, 0), 1)),  # layer means
+                        "hidden_state": _compare_hidden(results, (a_name, budget), (b_name, budget), subset),
                     }
                 )
     for name in methods:

@@ -102,8 +102,9 @@ def plot_ratio_heatmap(
         ax.set_yticklabels([str(x) for x in layers][:: max(1, len(layers) // 10)])
         ax.set_xticks(range(r.shape[1]))
         ax.set_xlabel("query head")
-        ax.set_ylabel("layer")
         ax.set_title(f"budget {budget}", fontsize=9)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("layer")
     for ax in list(axes.flat)[len(ratios) :]:
         ax.axis("off")
     if image is not None:
