@@ -48,7 +48,10 @@ def main() -> None:
     prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
     ids = torch.tensor([prefix_ids + suffix_ids])
     methods = [m.strip() for m in args.methods.split(",")]
-    sessions = {name: ContextSession(model, *_method_and_options(name), budget=args.budget) for name in methods}
+    sessions = {}
+    for spec in methods:
+        name, options = _method_and_options(spec)
+        sessions[spec] = ContextSession(model, name, args.budget, **options)
     times: dict[str, list[float]] = {name: [] for name in methods}
     sessions[methods[0]].prefill(ids)  # warm-up
     for _ in range(args.repeats):  # interleaved, so drifts of the machine hit every method alike
