@@ -24,7 +24,10 @@ from criticalkv.runtime.session import ContextSession
 def _method_and_options(spec: str) -> tuple[str, dict]:
     """``critical-snapkv:norm_dtype=model`` -> ("critical-snapkv", {"norm_dtype": "model"})."""
     name, _, rest = spec.partition(":")
-    options = dict(item.split("=", 1) for item in rest.split(";") if item)
+    options = {}
+    for item in filter(None, rest.split(";")):
+        key, value = item.split("=", 1)
+        options[key] = int(value) if value.isdigit() else value
     return name, options
 
 
