@@ -1,9 +1,5 @@
-"""The compressed cache layer and the attention over its per-(batch, KV head) segments.
-
-The layer's storage layout is an implementation detail (one padded buffer, or a flat context plus a dense
-tail); the helpers below read kept entries, tail and storage in either layout, and attention is checked
-through whichever function the library provides against a naive dense reference.
-"""
+"""The compressed cache layer (a flat kept context plus a dense tail) and the attention over its
+per-(batch, KV head) segments, checked against a naive dense reference."""
 
 from __future__ import annotations
 
@@ -14,53 +10,38 @@ import pytest
 import torch
 
 from criticalkv.cache import CompressedCache, CompressedLayer
-from criticalkv.cache import attention as attention_module
-from criticalkv.cache.attention import as_bool_mask
+from criticalkv.cache.attention import as_bool_mask, segment_attention
 from criticalkv.errors import CacheStateError
 
-masked_attention = getattr(attention_module, "masked_attention", None)
-
 # ----------------------------------------------------------------------------------------------------------------
-# layout-agnostic access to a CompressedLayer
-
-
-def _flat(layer: CompressedLayer) -> bool:
-    return getattr(layer, "context_keys", None) is not None
+# access to a CompressedLayer's segments
 
 
 def _context(layer: CompressedLayer, bi: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept context keys and values of segment (bi, hi): (n, d) each."""
     n = int(layer.lengths[bi, hi])
-    if _flat(layer):
-        s = bi * layer.lengths.shape[1] + hi
-        start = int(layer.lengths.flatten()[:s].sum())
-        return layer.context_keys[start : start + n], layer.context_values[start : start + n]
-    return layer.keys[bi, hi, :n], layer.values[bi, hi, :n]
+    s = bi * layer.lengths.shape[1] + hi
+    start = int(layer.lengths.flatten()[:s].sum())
+    return layer.context_keys[start : start + n], layer.context_values[start : start + n]
 
 
 def _tail(layer: CompressedLayer, bi: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Entries appended after compression to segment (bi, hi): (tail, d) each."""
-    if _flat(layer):
-        return layer.keys[bi, hi, : layer.tail], layer.values[bi, hi, : layer.tail]
-    n = int(layer.lengths[bi, hi])
-    return layer.keys[bi, hi, n : n + layer.tail], layer.values[bi, hi, n : n + layer.tail]
+    return layer.keys[bi, hi, : layer.tail], layer.values[bi, hi, : layer.tail]
 
 
 def _storage_bytes(layer: CompressedLayer) -> int:
     """Bytes of key/value tensors the layer holds (allocated capacity), without bookkeeping."""
     total = layer.keys.nbytes + layer.values.nbytes
-    if _flat(layer):
+    if layer.is_compressed:
         total += layer.context_keys.nbytes + layer.context_values.nbytes
     return total
 
 
 def _attend(layer, query, keys_out, values_out, logical_mask, scaling):
     """Attention of ``query`` over a compressed layer, given what ``layer.update`` returned."""
-    q = query.shape[2]
-    if hasattr(attention_module, "segment_attention"):
-        tail_mask = layer.tail_mask(logical_mask, q)
-        return attention_module.segment_attention(query, layer, keys_out, values_out, tail_mask, scaling)
-    return masked_attention(query, keys_out, values_out, layer.physical_mask(logical_mask, q), scaling)
+    tail_mask = layer.tail_mask(logical_mask, query.shape[2])
+    return segment_attention(query, layer, keys_out, values_out, tail_mask, scaling)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -89,43 +70,6 @@ def _random_mask(b, h_kv, q, n, gen, density=0.5):
         mask[-1, -1] = False
         mask[-1, -1, :, 0] = True
     return mask
-
-
-_needs_masked_attention = pytest.mark.skipif(masked_attention is None, reason="no masked_attention in this layout")
-
-
-@_needs_masked_attention
-@pytest.mark.parametrize("groups", [1, 2, 7])
-@pytest.mark.parametrize("q", [1, 4])
-def test_masked_attention_matches_naive(groups, q):
-    gen = torch.Generator().manual_seed(groups * 10 + q)
-    b, h_kv, n, d = 3, 2, 13, 8
-    query = torch.randn(b, h_kv * groups, q, d, generator=gen)
-    keys = torch.randn(b, h_kv, n, d, generator=gen)
-    values = torch.randn(b, h_kv, n, d, generator=gen)
-    mask = _random_mask(b, h_kv, q, n, gen)
-    scaling = 1 / math.sqrt(d)
-    out = masked_attention(query, keys, values, mask, scaling)
-    assert out.shape == (b, q, h_kv * groups, d)
-    want = _naive_attention(query, keys, values, mask, scaling)
-    assert (out.double() - want).abs().max().item() <= 1e-5
-    # a 1-entry head returns that entry's value exactly for every query head of the group
-    for j in range(groups):
-        torch.testing.assert_close(out[0, :, j], values[0, 0, n - 1].expand(q, d), rtol=1e-6, atol=1e-6)
-
-
-@_needs_masked_attention
-def test_masked_attention_on_non_contiguous_slices():
-    gen = torch.Generator().manual_seed(5)
-    b, h_kv, g, q, d = 2, 2, 3, 1, 4
-    big_k = torch.randn(b, h_kv, 40, d, generator=gen)
-    big_v = torch.randn(b, h_kv, 40, d, generator=gen)
-    keys, values = big_k[:, :, :17], big_v[:, :, :17]  # like the used part of a larger buffer
-    query = torch.randn(b, h_kv * g, q, d, generator=gen)
-    mask = _random_mask(b, h_kv, q, 17, gen)
-    out = masked_attention(query, keys, values, mask, 0.3)
-    want = _naive_attention(query, keys, values, mask, 0.3)
-    assert (out.double() - want).abs().max().item() <= 1e-5
 
 
 def test_as_bool_mask():

@@ -144,6 +144,20 @@ def test_vectorised_equals_per_head_loop(shape):
         torch.testing.assert_close(got, ref[i], rtol=1e-4, atol=1e-5)
 
 
+def test_causal_context_queries_equal_following_queries():
+    """Context queries at known positions (the window subset) read the context causally: the same figures as the
+    same tokens treated as following tokens over the shorter context, when the kept set holds them."""
+    q, k, v, w, _, _, _, keep, scaling = _random_layer(3, b=2, h_kv=2, g=2, t=30, f=5)
+    t, f = 30, 5
+    keep[..., t - f :] = True
+    w_heads = head_output_weights(w, q.shape[1])
+    window = LayerAttention(q, k, v, w_heads, scaling, query_positions=torch.arange(t - f, t)).perturbation(keep)
+    split = LayerAttention(q, k[:, :, : t - f], v[:, :, : t - f], w_heads, scaling, k[:, :, t - f :], v[:, :, t - f :])
+    follow = split.perturbation(keep[..., : t - f])
+    for name in ("perturbation", "bound_paper", "bound_tight", "kept_mass"):
+        torch.testing.assert_close(getattr(window, name), getattr(follow, name), rtol=1e-5, atol=1e-6)
+
+
 def test_head_output_weights_are_the_o_proj_column_slices():
     w = torch.randn(10, 3 * 4)
     heads = head_output_weights(w, 3)
@@ -277,7 +291,7 @@ def test_measured_prompt_bounds_and_runtime_agreement():
         assert scalars["bound_violations_paper"] == 0 and scalars["bound_violations_tight"] == 0, (name, budget)
         assert scalars["runtime_kept_same_set"] == 1.0, (name, budget)
         heads = result.heads[(name, budget)]
-        assert heads["perturbation"]["all"].shape == (2, 6)
+        assert heads["perturbation"]["all"].shape == (2, 6) and heads["perturbation"]["window"].shape == (2, 6)
         if budget == "1":
             assert (heads["perturbation"]["all"] == 0).all() and scalars["hidden_l1_all"] == 0.0
         else:
@@ -381,6 +395,14 @@ def test_command_end_to_end(tiny_folder, tmp_path):
     assert set(data["exhaustive"]["selectors"]) == {"topk", "critical"}
     for name in ("layers", "hidden", "hist_snapkv_vs_critical-snapkv", "heatmap_snapkv_vs_streaming"):
         assert (out / f"{name}.png").stat().st_size > 1000, name
+    # the summary and figures again from the JSON alone, for another pair
+    again = CliRunner().invoke(_app(), ["perturbation", "--from-json", str(out / "perturbation.json"),
+                                        "--pairs", "streaming:critical-snapkv", "--out", str(out)])  # fmt: skip
+    assert again.exit_code == 0, again.output
+    redone = json.loads((out / "perturbation.json").read_text())
+    assert {(p["a"], p["b"]) for p in redone["summary"]["pairs"]} == {("streaming", "critical-snapkv")}
+    assert redone["results"] == data["results"]
+    assert (out / "hist_streaming_vs_critical-snapkv.png").exists()
 
 
 def test_command_refuses_bad_input(tiny_folder, tmp_path):
