@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -99,7 +100,10 @@ def main() -> None:
             for k in ("model", "tokens", "budget", "decode_tokens", "dtype", "threads")
             for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))
         ]
-        done = subprocess.run(command, check=True, capture_output=True, text=True)
+        # glibc keeps freed large blocks in its heap unless they were mmapped: with a 64 KiB threshold every tensor
+        # buffer is mmapped and returned on free, so peak RSS measures live memory, not the allocator's retention.
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "65536")}
+        done = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
         r = runs[-1]
         print(
