@@ -1,4 +1,5 @@
-"""The command line: ``criticalkv run`` (the main job), ``criticalkv methods``, ``criticalkv models``."""
+"""The command line: ``criticalkv run`` (the main job), ``methods``, ``models``, ``eval``, ``perturbation``,
+``calibrate-heads``, ``report``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from criticalkv.analysis.command import perturbation
 from criticalkv.budget import Budget
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.commands import app as eval_app
@@ -24,6 +26,7 @@ from criticalkv.runtime.session import ContextSession
 
 app = typer.Typer(help="KV-cache eviction for long-context inference: CriticalKV over SnapKV and friends.")
 app.add_typer(eval_app, name="eval")
+app.command("perturbation")(perturbation)
 console = Console()
 
 
