@@ -22,6 +22,23 @@ from criticalkv.runtime.method import Method
 from criticalkv.scorers import LayerView
 
 
+def prefill_view(
+    module: nn.Module,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+) -> LayerView:
+    """The LayerView of a layer's prefill, as its attention function receives it."""
+    b, _, t, _ = keys.shape
+    if attention_mask is None:
+        valid = torch.ones(b, t, dtype=torch.bool, device=keys.device)
+    else:  # the last query sees every real key; padding columns are masked in its row
+        valid = attention.as_bool_mask(attention_mask)[:, 0, -1, :t]
+    return LayerView(module, query, keys, values, valid, scaling)
+
+
 @dataclass
 class LayerRecord:
     """What compression did to one layer (all rows of the batch)."""
@@ -130,12 +147,7 @@ class Compressor:
         scaling: float,
         layer: CompressedLayer,
     ) -> None:
-        b, _, t, _ = keys.shape
-        if attention_mask is None:
-            valid = torch.ones(b, t, dtype=torch.bool, device=keys.device)
-        else:  # the last query sees every real key; padding columns are masked in its row
-            valid = attention.as_bool_mask(attention_mask)[:, 0, -1, :t]
-        view = LayerView(module, query, keys, values, valid, scaling)
+        view = prefill_view(module, query, keys, values, attention_mask, scaling)
         decision = self.method.decide(view, self.budget)
         if decision.keep is None:
             layer.fresh = False

@@ -15,12 +15,11 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from criticalkv.budget import Budget
-from criticalkv.cache import CompressedCache, CompressedLayer, attention
+from criticalkv.cache import CompressedCache, CompressedLayer
 from criticalkv.methods import build_method
-from criticalkv.runtime.compressor import Compressor, LayerRecord
+from criticalkv.runtime.compressor import Compressor, LayerRecord, prefill_view
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.session import ContextSession
-from criticalkv.scorers import LayerView
 
 
 @dataclass
@@ -94,13 +93,7 @@ class SharedPrefill(Compressor):
         scaling: float,
         layer: CompressedLayer,
     ) -> None:
-        b, _, t, _ = keys.shape
-        valid = (
-            torch.ones(b, t, dtype=torch.bool, device=keys.device)
-            if attention_mask is None
-            else attention.as_bool_mask(attention_mask)[:, 0, -1, :t]
-        )
-        view = LayerView(module, query, keys, values, valid, scaling)
+        view = prefill_view(module, query, keys, values, attention_mask, scaling)
         for target in self.targets:
             own = CompressedLayer()
             own.update(keys, values)  # shares the prompt's tensors until compress() gathers what it keeps
