@@ -32,8 +32,8 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from criticalkv.cache.attention import as_bool_mask
 from criticalkv.errors import CacheStateError, CriticalKVError, UnsupportedModelError
+from criticalkv.runtime.compressor import prefill_view
 from criticalkv.scorers import LayerView
 
 __all__ = ["Capture", "LayerCapture", "attention_modules", "capture"]
@@ -111,13 +111,9 @@ class _Recorder:
     def record(self, module, query, key, value, attention_mask, scaling) -> None:
         layer = module.layer_idx
         q = query.shape[2]
-        if self.phase == "prefill":
-            b, _, t, _ = key.shape
-            if attention_mask is None:
-                valid = torch.ones(b, t, dtype=torch.bool, device=key.device)
-            else:  # the compressor's rule: the last query sees every real key
-                valid = as_bool_mask(attention_mask)[:, 0, -1, :t].clone()
-            self.prefill[layer] = (query.detach(), key.detach(), value.detach(), valid, float(scaling))
+        if self.phase == "prefill":  # the compressor's own view of this prefill (same valid-mask rule)
+            view = prefill_view(module, query.detach(), key.detach(), value.detach(), attention_mask, float(scaling))
+            self.prefill[layer] = (view.query, view.keys, view.values, view.valid.clone(), view.scaling)
         else:  # the cache returns everything so far; the new tokens are its last q entries
             self.follow.setdefault(layer, []).append(
                 (query.detach(), key[:, :, -q:].detach().clone(), value[:, :, -q:].detach().clone())

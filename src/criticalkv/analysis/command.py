@@ -214,8 +214,9 @@ def _plots(out: Path, results: list[PromptResult], summary: dict, methods, budge
             per_prompt[budget] = log10_ratio(pa, pb)
             heads[budget] = log10_ratio(nanmean(pa, 0), nanmean(pb, 0))
             wanted = (a, b, budget, "all")
-            row = next(p for p in summary["pairs"] if (p["a"], p["b"], p["budget"], p["subset"]) == wanted)
-            headline[budget] = row["heads_per_prompt"]
+            row = next((p for p in summary["pairs"] if (p["a"], p["b"], p["budget"], p["subset"]) == wanted), None)
+            if row is not None:
+                headline[budget] = row["heads_per_prompt"]
         stem = file_stem(a, b)
         written.append(plot_ratio_histogram(per_prompt, a, b, out / f"hist_{stem}.png", headline))
         written.append(plot_ratio_heatmap(heads, layers, a, b, out / f"heatmap_{stem}.png"))
@@ -315,6 +316,8 @@ def run_analysis(
         raise CriticalKVError(f"--mode must be one of {list(MODES)}, got {mode!r}")
     if n < 0 or length < 1 or generate < 0:
         raise CriticalKVError("--n, --length and --generate must be >= 0, >= 1 and >= 0")
+    if mode == "aware" and generate == 0:
+        raise CriticalKVError("--mode aware with --generate 0 leaves no query after the compressed prompt")
     out.mkdir(parents=True, exist_ok=True)
     meta: dict = {
         "command": " ".join(sys.argv),

@@ -43,15 +43,20 @@ from criticalkv.scorers import LayerView
 
 __all__ = [
     "SUBSETS",
+    "CompressedRun",
     "HeadPerturbation",
     "LayerAttention",
     "PromptResult",
+    "budget_label",
+    "compare",
     "compressed_hidden_states",
     "head_output_weights",
     "head_perturbation",
     "head_value_norms",
     "kept_mask",
     "measure_prompt",
+    "summarise",
+    "violation_slack",
 ]
 
 # Which queries a figure averages over: "all" following tokens (question + generated), each kind alone, and, as a

@@ -57,7 +57,6 @@ class ContextSession:
         self.cache: Cache | None = None
         self.mask: torch.Tensor | None = None  # (b, seen) logical attention mask of the cached tokens
         self.context_length = 0
-        self.prefill_generation: Generation | None = None
 
     @classmethod
     def from_cache(
