@@ -36,6 +36,7 @@ class CompressedLayer(CacheLayerMixin):
         self.seen = 0  # logical length: every token written so far
         self.context_seen = 0  # logical length at compression time (0 while dense)
         self.fresh = False  # True right after the first (prefill) update, until compression or the next update
+        self.pending = False  # dense, awaiting a deferred method's decision at the end of the prefill
 
     # --- state -------------------------------------------------------------------------------------------
     @property
@@ -88,7 +89,7 @@ class CompressedLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = self.lengths = self.context_keys = self.context_values = None
         self.tail = self.seen = self.context_seen = 0
-        self.fresh = self.is_initialized = False
+        self.fresh = self.pending = self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -117,10 +118,13 @@ class CompressedLayer(CacheLayerMixin):
     def compress(self, keep: torch.Tensor) -> None:
         """Keep the entries of a keep mask (b, h_kv, t) of the prompt; the rest is freed.
 
-        Kept entries stay in their original order. Allowed once, right after the prefill.
+        Kept entries stay in their original order. Allowed once, right after the prefill (or, for a deferred
+        method, at the end of it, once passes after the prefill have been trimmed away).
         """
-        if not self.fresh:
+        if not (self.fresh or self.pending):
             raise CacheStateError("a layer is compressed once, right after its prefill")
+        if self.tail != self.seen:
+            raise CacheStateError("a pending layer must be trimmed back to its prompt before it is compressed")
         if keep.shape != (*self.keys.shape[:2], self.seen):
             raise CacheStateError(f"keep mask {tuple(keep.shape)} does not match the cache {tuple(self.keys.shape)}")
         b, h, _, d = self.keys.shape
@@ -133,7 +137,7 @@ class CompressedLayer(CacheLayerMixin):
         self.values = self.values.new_empty((b, h, 0, d))
         self.tail = 0
         self.context_seen = self.seen
-        self.fresh = False
+        self.fresh = self.pending = False
 
     def offsets(self) -> torch.Tensor:
         """Start of each segment in the flat context: (b * h_kv + 1,) long."""

@@ -1,5 +1,9 @@
 """Hooks a transformers model so that each layer's cache is compressed right after that layer's prefill.
 
+A deferred method (``Method.deferred``: a cross-layer allocator, or a scorer that reads the finished cache)
+leaves every layer dense during the prefill, keeps what it needs of each layer (its scores, the last query rows),
+and decides all layers together when the model's forward returns; a forward hook runs that step.
+
 Nothing of transformers is patched: criticalkv registers an attention function under its own name, switches
 the model to it with ``set_attn_implementation`` and back, and a forward pre-hook on the model hands a
 ``CompressedCache`` to a forward that would otherwise create a fresh ``DynamicCache``.
@@ -7,6 +11,7 @@ the model to it with ``set_attn_implementation`` and back, and a forward pre-hoo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +56,26 @@ class LayerRecord:
 
 
 @dataclass
+class PendingLayer:
+    """A dense layer of a deferred method, waiting for the end of the prefill."""
+
+    layer: CompressedLayer
+    view: LayerView  # keys/values are the layer's own storage; query holds only the method's last rows
+
+
+@dataclass
+class PrefillContext:
+    """What a scorer with ``after_prefill`` gets to score a finished prefill (e.g. by extra forward passes)."""
+
+    model: PreTrainedModel
+    compressor: Compressor
+    cache: CompressedCache
+    input_ids: torch.Tensor | None  # (b, t) the prefill's tokens
+    attention_mask: torch.Tensor | None  # (b, t) the prefill's mask, None when every token is real
+    pending: list[PendingLayer]  # the compressible layers, in layer order
+
+
+@dataclass
 class Compressor:
     """Installs a method and a budget on a model; see ``criticalkv.compress`` for the one-line form."""
 
@@ -73,6 +98,10 @@ class Compressor:
             )
         self.modules = [m for m in self.model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")]
         self._hook = None
+        self._finish_hook = None
+        self.pending: list[PendingLayer] = []  # layers of a deferred method during a prefill
+        self._inputs: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # the prefill's ids and mask
+        self._finishing = False  # forwards run by a scorer while finishing a deferred prefill
 
     # --- install / uninstall ---------------------------------------------------------------------------------
     @property
@@ -87,12 +116,15 @@ class Compressor:
             module._criticalkv = self
         self.model.set_attn_implementation(attention.implementation_name(self.base_implementation))
         self._hook = self.model.register_forward_pre_hook(self._provide_cache, with_kwargs=True)
+        self._finish_hook = self.model.register_forward_hook(self._finish_prefill, with_kwargs=True)
         return self
 
     def uninstall(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for hook in (self._hook, self._finish_hook):
+            if hook is not None:
+                hook.remove()
+        self._hook = self._finish_hook = None
+        self.pending = []
         self.model.set_attn_implementation(self.base_implementation)
         self.active_cache = None
         for module in self.modules:
@@ -120,13 +152,69 @@ class Compressor:
         cache = kwargs.get(name)
         if isinstance(cache, CompressedCache):
             cache.compressor = self
+            if not self._finishing:
+                self._remember_inputs(args, kwargs)
             return None
         if cache is None or (isinstance(cache, Cache) and cache.get_seq_length() == 0):
             kwargs[name] = self.new_cache()
+            self._remember_inputs(args, kwargs)
             return args, kwargs
         raise CacheStateError(
             "this forward continues a cache criticalkv did not create; prefill inside criticalkv.compress(...)"
         )
+
+    def _remember_inputs(self, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self._inputs = (ids, kwargs.get("attention_mask"))
+
+    def _finish_prefill(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        if not self.pending or self._finishing:
+            return
+        self._finishing = True
+        try:
+            self.finish_deferred(self.active_cache, self.pending, self.method, self.budget, self.records)
+        finally:
+            self._finishing = False
+            self.pending = []
+
+    @torch.no_grad()
+    def finish_deferred(
+        self,
+        cache: CompressedCache,
+        pending: list[PendingLayer],
+        method: Method,
+        budget: Budget,
+        records: list[LayerRecord],
+    ) -> None:
+        """Decide and compress the pending layers of a deferred method, all together."""
+        scores = None
+        if getattr(method.scorer, "after_prefill", False):
+            ids, mask = self._inputs
+            scores = method.scorer.score_after_prefill(PrefillContext(self.model, self, cache, ids, mask, pending))
+        views = [_current_view(p) for p in pending]
+        decisions = method.decide_layers(views, budget, scores)
+        for item, view, decision in zip(pending, views, decisions, strict=True):
+            self._apply(item.layer, view, decision, records)
+
+    def _apply(self, layer: CompressedLayer, view: LayerView, decision, records: list[LayerRecord]) -> None:
+        if decision.keep is None:
+            layer.fresh = layer.pending = False
+        else:
+            layer.compress(decision.keep)
+        keep = None
+        if self.record_keep:
+            whole = view.valid[:, None, :].expand(-1, view.keys.shape[1], -1)  # kept whole: every real entry
+            keep = whole.clone() if decision.keep is None else decision.keep
+        records.append(LayerRecord(view.module.layer_idx, view.lengths, decision.budgets, decision.kept_whole, keep))
+
+    def defer_layer(self, view: LayerView, layer: CompressedLayer, method: Method) -> PendingLayer:
+        """Keep a layer dense until the end of the prefill; score it now unless its scorer waits for the end."""
+        if not getattr(method.scorer, "after_prefill", False):
+            method.scores_of(view)  # computed while the full query is at hand, kept in the view's memo
+        rows = min(method.query_rows, view.query.shape[2])
+        light = dataclasses.replace(view, query=view.query[:, :, -rows:].clone())
+        layer.fresh, layer.pending = False, True
+        return PendingLayer(layer, light)
 
     # --- called by the attention function ---------------------------------------------------------------------
     def layer_for(self, layer_idx: int) -> CompressedLayer | None:
@@ -148,13 +236,13 @@ class Compressor:
         layer: CompressedLayer,
     ) -> None:
         view = prefill_view(module, query, keys, values, attention_mask, scaling)
-        decision = self.method.decide(view, self.budget)
-        if decision.keep is None:
-            layer.fresh = False
-        else:
-            layer.compress(decision.keep)
-        keep = None
-        if self.record_keep:
-            whole = view.valid[:, None, :].expand(-1, keys.shape[1], -1)  # a layer kept whole keeps every real entry
-            keep = whole.clone() if decision.keep is None else decision.keep
-        self.records.append(LayerRecord(module.layer_idx, view.lengths, decision.budgets, decision.kept_whole, keep))
+        if self.method.deferred:
+            self.pending.append(self.defer_layer(view, layer, self.method))
+            return
+        self._apply(layer, view, self.method.decide(view, self.budget), self.records)
+
+
+def _current_view(item: PendingLayer) -> LayerView:
+    """A pending layer's view over its storage now: passes after the prefill may have moved (not changed) it."""
+    t = item.view.valid.shape[1]
+    return dataclasses.replace(item.view, keys=item.layer.keys[:, :, :t], values=item.layer.values[:, :, :t])

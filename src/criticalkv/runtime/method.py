@@ -22,8 +22,22 @@ class Decision:
 
 
 @dataclass
+class _LayerPlan:
+    """The per-layer facts a decision starts from."""
+
+    row_budgets: torch.Tensor  # (b,) long
+    protected: torch.Tensor  # (b, t) bool
+    kept_whole: torch.Tensor  # (b,) bool
+
+
+@dataclass
 class Method:
     """An eviction method as three independent choices.
+
+    Most methods decide each layer right after its prefill (``decide``). A *deferred* method decides every
+    layer at once after the whole prefill (``decide_layers``): one whose allocator compares layers
+    (``allocator.cross_layer``) or whose scorer needs passes over the finished cache
+    (``scorer.after_prefill``). The runtime keeps a deferred method's layers dense until then.
 
     Examples
     --------
@@ -34,19 +48,69 @@ class Method:
     allocator: Allocator = field(default_factory=UniformAllocator)
     selector: Selector = field(default_factory=TopKSelector)
     name: str = "custom"
+    defer: bool = False  # force the deferred path (it must then decide exactly what ``decide`` does)
+
+    @property
+    def deferred(self) -> bool:
+        """True when decisions wait for the end of the prefill (see the class notes)."""
+        cross_layer = bool(getattr(self.allocator, "cross_layer", False))
+        return self.defer or cross_layer or bool(getattr(self.scorer, "after_prefill", False))
+
+    @property
+    def query_rows(self) -> int:
+        """Last query rows of a prefill that scoring and selection read (a deferred layer keeps only these)."""
+        return max(int(getattr(piece, "window", 1)) for piece in (self.scorer, self.allocator, self.selector))
 
     def decide(self, view: LayerView, budget: Budget) -> Decision:
+        """Decide one layer from its prefill view."""
+        return self.decide_layers([view], budget)[0]
+
+    def scores_of(self, view: LayerView) -> torch.Tensor:
+        """The scorer's scores of a layer, computed once per view: (b, h_kv, t) float32."""
+        return view.remember(("scores", repr(self.scorer)), lambda: self.scorer.score(view))
+
+    def decide_layers(
+        self, views: list[LayerView], budget: Budget, scores: list[torch.Tensor] | None = None
+    ) -> list[Decision]:
+        """Decide several layers of one prefill together.
+
+        ``scores`` (one (b, h_kv, t) tensor per view) replaces the scorer's, for scorers that compute them from
+        passes after the prefill. A cross-layer allocator splits the budget over every layer given; other
+        allocators split each layer's budget over its heads, exactly as ``decide`` does layer by layer.
+        """
+        plans = [self._plan(view, budget) for view in views]
+        if bool(plans[0].kept_whole.all()):  # lengths, budget and protected positions are shared by every layer
+            return [self._whole(view, plan) for view, plan in zip(views, plans, strict=True)]
+        if scores is None:
+            scores = [self.scores_of(view) for view in views]
+        scores = [s.clone() for s in scores]  # shared with other methods deciding on these views
+        if getattr(self.allocator, "cross_layer", False):
+            budgets = self.allocator.allocate_layers(
+                scores, [p.row_budgets for p in plans], views, [p.protected for p in plans]
+            )
+        else:
+            budgets = [
+                self.allocator.allocate(s, p.row_budgets, v, p.protected)
+                for s, p, v in zip(scores, plans, views, strict=True)
+            ]
+        return [self._select(view, plan, s, b) for view, plan, s, b in zip(views, plans, scores, budgets, strict=True)]
+
+    def _plan(self, view: LayerView, budget: Budget) -> _LayerPlan:
         lengths = view.lengths  # (b,)
         row_budgets = budget.entries_for(lengths)  # (b,)
         protected = self.scorer.protected(view)  # (b, t)
         kept_whole = (row_budgets >= lengths) | (protected.sum(-1) >= lengths)
+        return _LayerPlan(row_budgets, protected, kept_whole)
+
+    @staticmethod
+    def _whole(view: LayerView, plan: _LayerPlan) -> Decision:
         h_kv = view.keys.shape[1]
-        if bool(kept_whole.all()):
-            return Decision(None, lengths[:, None].expand(-1, h_kv).clone(), kept_whole)
-        scores = view.remember(("scores", repr(self.scorer)), lambda: self.scorer.score(view))
-        scores = scores.clone()  # (b, h_kv, t), shared with other methods deciding on this view
-        budgets = self.allocator.allocate(scores, row_budgets, view, protected)  # (b, h_kv)
-        keep = self.selector.select(scores, budgets, protected, view)
-        keep[kept_whole] = view.valid[kept_whole][:, None, :].expand(-1, h_kv, -1)
-        budgets[kept_whole] = lengths[kept_whole][:, None]
-        return Decision(keep, budgets, kept_whole)
+        return Decision(None, view.lengths[:, None].expand(-1, h_kv).clone(), plan.kept_whole)
+
+    def _select(self, view: LayerView, plan: _LayerPlan, scores: torch.Tensor, budgets: torch.Tensor) -> Decision:
+        h_kv = view.keys.shape[1]
+        keep = self.selector.select(scores, budgets, plan.protected, view)
+        whole = plan.kept_whole
+        keep[whole] = view.valid[whole][:, None, :].expand(-1, h_kv, -1)
+        budgets[whole] = view.lengths[whole][:, None]
+        return Decision(keep, budgets, whole)

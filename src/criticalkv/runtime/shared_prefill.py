@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer
 from criticalkv.methods import build_method
-from criticalkv.runtime.compressor import Compressor, LayerRecord, prefill_view
+from criticalkv.runtime.compressor import Compressor, LayerRecord, PendingLayer, prefill_view
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.session import ContextSession
 
@@ -31,6 +31,11 @@ class Target:
     budget: Budget
     cache: CompressedCache | None = None
     records: list[LayerRecord] = field(default_factory=list)
+    pending: list[PendingLayer] = field(default_factory=list)  # a deferred method's dense layers
+
+    @property
+    def deferred(self) -> bool:
+        return self.method is not None and not self.budget.keeps_everything and self.method.deferred
 
 
 class SharedPrefill(Compressor):
@@ -61,7 +66,7 @@ class SharedPrefill(Compressor):
         """Run the prefill once; return one ``ContextSession`` per target label, ready to ``ask``."""
         for target in self.targets:
             target.cache = CompressedCache(self.model.config, self)
-            target.records = []
+            target.records, target.pending = [], []
         source = CompressedCache(self.model.config, self)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -74,6 +79,12 @@ class SharedPrefill(Compressor):
                 use_cache=True,
                 logits_to_keep=1,
             )
+            self._inputs = (input_ids, mask)
+            for target in self.targets:  # deferred methods decide every layer now, each on its own cache
+                if target.pending:
+                    self.active_cache = target.cache
+                    self.finish_deferred(target.cache, target.pending, target.method, target.budget, target.records)
+                    target.pending = []
         for index, layer in enumerate(source.layers):  # sliding-window layers are copied to every target as they are
             if not isinstance(layer, CompressedLayer):
                 for target in self.targets:
@@ -97,6 +108,10 @@ class SharedPrefill(Compressor):
         for target in self.targets:
             own = CompressedLayer()
             own.update(keys, values)  # shares the prompt's tensors until compress() gathers what it keeps
+            target.cache.layers[module.layer_idx] = own
+            if target.deferred:
+                target.pending.append(self.defer_layer(view, own, target.method))
+                continue
             if target.method is not None and not target.budget.keeps_everything:
                 decision = target.method.decide(view, target.budget)
                 if decision.keep is not None:
@@ -105,5 +120,4 @@ class SharedPrefill(Compressor):
                     LayerRecord(module.layer_idx, view.lengths, decision.budgets, decision.kept_whole)
                 )
             own.fresh = False
-            target.cache.layers[module.layer_idx] = own
         layer.reset()  # the shared full prefill is released; each target now holds its own
