@@ -4,6 +4,9 @@ Each (method, budget) runs in its own process so peak RSS is that run's alone.
 
     python benchmarks/memory.py --model smollm2-135m --tokens 8192 --methods full,critical-snapkv,critical-adakv \
         --budget 0.2 --decode-tokens 32 --out results/memory_8k.json
+
+``--attention`` (auto, flash, padded, segments) forces the attention path over compressed layers (it sets
+$CRITICALKV_ATTENTION for the runs; see criticalkv.cache.fused_attention).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 import torch
 
 from criticalkv.cache import CompressedLayer
+from criticalkv.cache.fused_attention import ATTENTION_ENV_VAR, PATHS
 from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts
 from criticalkv.models.families import head_dim
 from criticalkv.models.presets import load_model
@@ -48,6 +52,7 @@ def measure(model_name: str, method: str, budget: str, tokens: int, decode_token
     return {
         "method": method,
         "budget": budget,
+        "attention": os.environ.get(ATTENTION_ENV_VAR, "auto"),
         "prompt_tokens": ids.shape[1],
         "prefill_seconds": prefill,
         "decode_ms_per_token_median": 1000 * statistics.median(generation.decode_seconds),
@@ -84,11 +89,18 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument(
+        "--attention",
+        choices=PATHS,
+        default=os.environ.get(ATTENTION_ENV_VAR, "auto"),
+        help=f"attention path over compressed layers (default: ${ATTENTION_ENV_VAR}, else auto)",
+    )
     parser.add_argument("--out", type=Path, default=Path("results/memory.json"))
     parser.add_argument("--single", help=argparse.SUPPRESS)  # internal: run one method in this process
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    os.environ[ATTENTION_ENV_VAR] = args.attention  # read at every compressed layer's attention; runs inherit it
     if args.single:
         result = measure(args.model, args.single, args.budget, args.tokens, args.decode_tokens, args.dtype)
         print(json.dumps(result))
@@ -97,7 +109,7 @@ def main() -> None:
     for method in [m.strip() for m in args.methods.split(",")]:
         command = [sys.executable, __file__, "--single", method] + [
             x
-            for k in ("model", "tokens", "budget", "decode_tokens", "dtype", "threads")
+            for k in ("model", "tokens", "budget", "decode_tokens", "dtype", "threads", "attention")
             for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))
         ]
         # glibc keeps freed large blocks in its heap unless they were mmapped: with a 64 KiB threshold every tensor

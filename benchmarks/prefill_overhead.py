@@ -21,16 +21,6 @@ from criticalkv.models.presets import load_model
 from criticalkv.runtime.session import ContextSession
 
 
-def _method_and_options(spec: str) -> tuple[str, dict]:
-    """``critical-snapkv:norm_dtype=model`` -> ("critical-snapkv", {"norm_dtype": "model"})."""
-    name, _, rest = spec.partition(":")
-    options = {}
-    for item in filter(None, rest.split(";")):
-        key, value = item.split("=", 1)
-        options[key] = int(value) if value.isdigit() else value
-    return name, options
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -59,8 +49,7 @@ def main() -> None:
     methods = [m.strip() for m in args.methods.split(",")]
     sessions = {}
     for spec in methods:
-        name, options = _method_and_options(spec)
-        sessions[spec] = ContextSession(model, name, args.budget, **options)
+        sessions[spec] = ContextSession(model, spec, args.budget)  # a method spec: name[:key=value;...]
     times: dict[str, list[float]] = {name: [] for name in methods}
     sessions[methods[0]].prefill(ids)  # warm-up
     clock = time.process_time if args.clock == "cpu" else time.perf_counter

@@ -56,8 +56,8 @@ def capture_decisions(monkeypatch):
 
     real = Method.decide
 
-    def decide(self, view, budget):
-        decision = real(self, view, budget)
+    def decide(self, view, budget, *args, **kwargs):
+        decision = real(self, view, budget, *args, **kwargs)
         calls.append((view.module.layer_idx, view.valid.clone(), decision))
         return decision
 

@@ -401,7 +401,7 @@ def test_command_end_to_end(tiny_folder, tmp_path):
     for by_budget in data["summary"]["bounds"].values():
         for bounds in by_budget.values():
             assert bounds["bound_violations_paper"] == 0 and bounds["runtime_kept_same_set"] == 1.0
-    assert set(data["exhaustive"]["selectors"]) == {"topk", "critical"}
+    assert set(data["exhaustive"]["selectors"]) == {"topk", "critical", "measured"}
     for name in ("layers", "hidden", "hist_snapkv_vs_critical-snapkv", "heatmap_snapkv_vs_streaming"):
         assert (out / f"{name}.png").stat().st_size > 1000, name
     # the summary and figures again from the JSON alone, for another pair

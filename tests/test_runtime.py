@@ -438,9 +438,9 @@ def test_layer_view_is_the_layers_own_state(family, capture_decisions, monkeypat
     views = []
     real = Method.decide
 
-    def spy(self, view, budget):
+    def spy(self, view, budget, *args, **kwargs):
         views.append(view)
-        return real(self, view, budget)
+        return real(self, view, budget, *args, **kwargs)
 
     monkeypatch.setattr(Method, "decide", spy)
     with criticalkv.compress(model, "critical-snapkv", budget=0.5, window=4):
@@ -560,7 +560,7 @@ def test_knorm_through_critical_selector_refused_in_a_model():
 def test_options_reach_the_pieces():
     method = criticalkv.build_method("critical-snapkv", window=16, alpha=0.25, kernel=3)
     assert method.scorer == SnapKVScorer(window=16, kernel=3)
-    assert method.selector == CriticalSelector(alpha=0.25)
+    assert method.selector == CriticalSelector(alpha=0.25, window=16, kernel=3)  # the ablations read the same window
     assert criticalkv.build_method("full") is None
     assert set(criticalkv.method_names()) >= {"full", "snapkv", "critical-snapkv", "streaming", "knorm", "tova"}
 

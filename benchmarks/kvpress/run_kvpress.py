@@ -46,11 +46,9 @@ PRESSES = ("none", "snapkv", "critical-snapkv", "critical-adakv", "adakv", "stre
 MASKING_PRESSES = ("adakv", "critical-adakv")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_and_press_options(p: argparse.ArgumentParser) -> None:
+    """Options every kvpress-side script shares: the model folder, its dtype and threads, and the press settings."""
     p.add_argument("--model", required=True, help="local transformers model folder")
-    p.add_argument("--input", required=True, help='JSON file {"input_ids": [[...]]}, batch 1')
-    p.add_argument("--press", required=True, choices=PRESSES)
     p.add_argument("--compression-ratio", type=float, default=0.5, help="fraction evicted, in [0, 1)")
     p.add_argument("--window-size", type=int, default=32, help="SnapKV window (kvpress' own default is 64)")
     p.add_argument("--kernel-size", type=int, default=5, help="SnapKV pooling kernel (odd)")
@@ -60,10 +58,38 @@ def parse_args(argv=None):
     p.add_argument("--n-sink", type=int, default=4, help="StreamingLLM sink tokens (kvpress default)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--attn-implementation", default="sdpa", help="sdpa (default); AdaKV presses refuse eager")
-    p.add_argument("--generate", type=int, default=0, metavar="N", help="greedy-decode N tokens")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave torch's default)")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_and_press_options(p)
+    p.add_argument("--input", required=True, help='JSON file {"input_ids": [[...]]}, batch 1')
+    p.add_argument("--press", required=True, choices=PRESSES)
+    p.add_argument("--generate", type=int, default=0, metavar="N", help="greedy-decode N tokens")
     p.add_argument("--out", required=True, help="output .pt file")
     return p.parse_args(argv)
+
+
+def load_model(args, device: str = "cpu"):
+    """The model of ``args.model`` in ``args.dtype`` on ``device``, in eval mode, with the Qwen2 workaround.
+
+    CriticalKVPress.vwl1norm reads module.config.head_dim (criticalkv_press.py:63); configs without that field
+    (Qwen2) raise AttributeError. It is filled with the head_dim the attention module really uses.
+    Returns (model, language-model body, whether the config was patched).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation=args.attn_implementation)
+    model = model.to(device).eval()
+    lm = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    attn0 = lm.layers[0].self_attn
+    patched = getattr(attn0.config, "head_dim", None) is None
+    if patched:
+        attn0.config.head_dim = attn0.head_dim
+    return model, lm, patched
 
 
 def build_press(args, kvpress):
@@ -192,7 +218,7 @@ def main(argv=None):
     import kvpress
     import torch
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+    from transformers import AutoConfig, DynamicCache
 
     transformers.utils.logging.disable_progress_bar()
     if args.threads > 0:
@@ -212,25 +238,14 @@ def main(argv=None):
             raise SystemExit("question_ids must be [[...]] with batch 1")
     T = input_ids.shape[1]
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     t0 = time.perf_counter()
     config = AutoConfig.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation=args.attn_implementation)
-    model.eval()
+    model, lm, patched_head_dim = load_model(args)
     t_load = time.perf_counter() - t0
 
-    lm = model.model.language_model if hasattr(model.model, "language_model") else model.model
     n_layers = len(lm.layers)
-    attn0 = lm.layers[0].self_attn
     n_kv = config.num_key_value_heads
-    head_dim = attn0.head_dim
-
-    # CriticalKVPress.vwl1norm reads module.config.head_dim (criticalkv_press.py:63); configs without that
-    # field (Qwen2) raise AttributeError. Fill it with the head_dim the attention module really uses.
-    patched_head_dim = False
-    if getattr(attn0.config, "head_dim", None) is None:
-        attn0.config.head_dim = head_dim
-        patched_head_dim = True
+    head_dim = lm.layers[0].self_attn.head_dim
 
     press = build_press(args, kvpress)
     recorder = None

@@ -17,10 +17,12 @@ from rich.table import Table
 
 from criticalkv.analysis.command import perturbation
 from criticalkv.budget import Budget
+from criticalkv.distributed import launch
+from criticalkv.distributed.layout import ParallelLayout
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.commands import app as eval_app
-from criticalkv.methods import PRESETS, build_method
-from criticalkv.models.presets import DEFAULT_PRESET, list_presets, load_model
+from criticalkv.methods import PRESETS, build_method, parse_option_value
+from criticalkv.models.presets import DEFAULT_PRESET, list_presets
 from criticalkv.progress import layer_progress
 from criticalkv.runtime.session import ContextSession
 
@@ -28,6 +30,21 @@ app = typer.Typer(help="KV-cache eviction for long-context inference: CriticalKV
 app.add_typer(eval_app, name="eval")
 app.command("perturbation")(perturbation)
 console = Console()
+
+
+@app.callback()
+def main(
+    tp_size: Annotated[
+        int | None, typer.Option(help="Under torchrun: tensor-parallel ranks (default: every process / --pp-size).")
+    ] = None,
+    pp_size: Annotated[int | None, typer.Option(help="Under torchrun: pipeline stages (default 1).")] = None,
+) -> None:
+    """KV-cache eviction for long-context inference: CriticalKV over SnapKV and friends.
+
+    Under ``torchrun`` every command that loads a model splits it over the launched processes (docs/distributed.md);
+    rank 0 prints and writes.
+    """
+    launch.configure(tp_size, pp_size)
 
 
 @app.command()
@@ -62,6 +79,7 @@ class RunResult:
     kept_fraction: float
     kv_bytes_full: int
     kv_bytes_after_compression: int
+    kv_bytes_per_rank: list[int]  # after compression, on each process of a torchrun launch ([total] on one)
     layers_kept_whole: int
     prefill_seconds: float
     first_token_seconds: float
@@ -74,14 +92,7 @@ def _parse_options(items: list[str]) -> dict[str, object]:
         key, sep, raw = item.partition("=")
         if not sep:
             raise CriticalKVError(f"option {item!r} is not of the form key=value")
-        value: object = raw
-        for cast in (int, float):
-            try:
-                value = cast(raw)
-                break
-            except ValueError:
-                continue
-        options[key.strip()] = value
+        options[key.strip()] = parse_option_value(raw)
     return options
 
 
@@ -163,7 +174,9 @@ def _run(
     for name in methods_[1:]:
         build_method(name, **options)  # fail on a bad name or option before loading anything
     with console.status(f"loading {model_name}"):
-        model, tokenizer = load_model(model_name, dtype=dtype)
+        model, tokenizer = launch.load_model(model_name, dtype=dtype)
+    layout = ParallelLayout.of(model)  # one process, or where this one sits in a torchrun split
+    device = next(model.parameters()).device
     from criticalkv.eval.needle import chat_prompt_parts, encode_prompt_parts
 
     context, asked = _document(tokenizer, context_file, questions, context_tokens, depth, seed)
@@ -178,12 +191,14 @@ def _run(
             if mode == "aware" or index == 0:
                 prompt = prefix_ids + suffix_ids if mode == "aware" else prefix_ids
                 with layer_progress(model, f"{name}: prefill {len(prompt)} tokens"):
-                    session.prefill(torch.tensor([prompt]))
-                kv_bytes, entries = session.kv_bytes(), session.kv_entries()
-                kept_whole = (
-                    sum(bool(r.kept_whole.all()) for r in session.compressor.records) if session.compressor else 0
+                    session.prefill(torch.tensor([prompt], device=device))
+                rank_bytes = [int(n) for n in layout.gather(session.kv_bytes())]
+                kv_bytes, entries = layout.total(session.kv_bytes()), layout.total(session.kv_entries())
+                kept_whole = layout.total(
+                    sum(bool(r.kept_whole.all()) for r in session.compressor.records) if session.compressor else 0,
+                    by_heads=False,
                 )
-            new = None if mode == "aware" else torch.tensor([suffix_ids])
+            new = None if mode == "aware" else torch.tensor([suffix_ids], device=device)
             generation = session.ask(new, max_new_tokens=max_new_tokens, eos_token_id=eos)
             text = tokenizer.decode(generation.tokens[0], skip_special_tokens=True).strip()
             if name == "full":
@@ -203,14 +218,15 @@ def _run(
                     kept_fraction=entries / full_entries,
                     kv_bytes_full=full_bytes,
                     kv_bytes_after_compression=kv_bytes,
+                    kv_bytes_per_rank=rank_bytes,
                     layers_kept_whole=kept_whole,
                     prefill_seconds=session.prefill_seconds,
                     first_token_seconds=generation.prefill_seconds,
                     decode_seconds_per_token=generation.decode_seconds_per_token,
                 )
             )
-    _print(results, model_name, mode, parsed_budget)
-    if json_path is not None:
+    _print(results, model_name, mode, parsed_budget, layout)
+    if json_path is not None and layout.is_main:
         report = {
             "model": model_name,
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
@@ -218,6 +234,7 @@ def _run(
             "mode": {"aware": "question-aware", "agnostic": "question-agnostic"}[mode],
             "budget": parsed_budget.value,
             "options": options,
+            "parallel": {"tensor_parallel": layout.tp_size, "pipeline_stages": layout.pp_size},
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
             "machine": platform.processor() or platform.machine(),
             "results": [asdict(r) for r in results],
@@ -226,24 +243,24 @@ def _run(
         console.print(f"wrote {json_path}")
 
 
-def _print(results: list[RunResult], model_name: str, mode: str, budget: Budget) -> None:
+def _print(results: list[RunResult], model_name: str, mode: str, budget: Budget, layout: ParallelLayout) -> None:
     title = f"{model_name} · question-{mode} · budget {budget}"
-    table = Table("method", "answer", "found", "kept entries", "KV MiB", "prefill s", "decode ms/tok", title=title)
+    columns = ["method", "answer", "found", "kept entries", "KV MiB", "prefill s", "decode ms/tok"]
+    if layout.distributed:
+        title += f" · tensor-parallel {layout.tp_size} x pipeline {layout.pp_size}"
+        columns.insert(5, "KV MiB per rank (max)")
+    table = Table(*columns, title=title)
     for r in results:
         found = "" if r.found is None else ("[green]yes[/green]" if r.found else "[red]no[/red]")
         kept = f"{r.kept_entries:,} ({100 * r.kept_fraction:.1f}%)"
         if r.layers_kept_whole:
             kept += f", {r.layers_kept_whole} layers kept whole (context too short)"
         mib = f"{r.kv_bytes_full / 2**20:.1f} -> {r.kv_bytes_after_compression / 2**20:.1f}"
-        table.add_row(
-            r.method,
-            r.answer[:60],
-            found,
-            kept,
-            mib,
-            f"{r.prefill_seconds:.2f}",
-            f"{1000 * r.decode_seconds_per_token:.1f}",
-        )
+        cells = [r.method, r.answer[:60], found, kept, mib]
+        if layout.distributed:
+            per_rank = " ".join(f"{n / 2**20:.2f}" for n in r.kv_bytes_per_rank)
+            cells.append(f"{per_rank} ({max(r.kv_bytes_per_rank) / 2**20:.2f})")
+        table.add_row(*cells, f"{r.prefill_seconds:.2f}", f"{1000 * r.decode_seconds_per_token:.1f}")
     console.print(table)
 
 

@@ -6,11 +6,25 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from criticalkv.allocators import AdaKVAllocator, HeadKVAllocator, PyramidAllocator, UniformAllocator
+from criticalkv.allocators import (
+    AdaKVAllocator,
+    BoundedCrossLayerAllocator,
+    CrossLayerAllocator,
+    HeadKVAllocator,
+    PyramidAllocator,
+    UniformAllocator,
+)
 from criticalkv.errors import UnknownMethodError
 from criticalkv.runtime.method import Method
-from criticalkv.scorers import KeyNormScorer, SnapKVScorer, StreamingScorer, TOVAScorer
-from criticalkv.selectors import CriticalSelector, TopKSelector
+from criticalkv.scorers import (
+    DefensiveScorer,
+    KeyNormScorer,
+    ReconstructionScorer,
+    SnapKVScorer,
+    StreamingScorer,
+    TOVAScorer,
+)
+from criticalkv.selectors import CriticalSelector, DefensiveSelector, PerturbationSelector, TopKSelector
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,15 @@ PRESETS: dict[str, Preset] = {
         "CriticalKV over AdaKV: AdaKV's head budgets from the attention, then the two-stage selection per head",
         lambda: Method(SnapKVScorer(), AdaKVAllocator(), CriticalSelector()),
     ),
+    "measured-snapkv": Preset(
+        "SnapKV's top-k set improved by swaps that lower the window queries' measured output perturbation "
+        "(half the budget anchored by score; docs/selectors.md)",
+        _preset(SnapKVScorer, PerturbationSelector),
+    ),
+    "measured-adakv": Preset(
+        "AdaKV's head budgets, then per head the measured-perturbation swaps of measured-snapkv",
+        lambda: Method(SnapKVScorer(), AdaKVAllocator(), PerturbationSelector()),
+    ),
     "pyramidkv": Preset(
         "PyramidKV: SnapKV scores, layer budgets decreasing linearly with depth (beta 20), top-k per head",
         lambda: Method(SnapKVScorer(), PyramidAllocator(), TopKSelector()),
@@ -66,6 +89,37 @@ PRESETS: dict[str, Preset] = {
         _preset(TOVAScorer, TopKSelector),
     ),
     "critical-tova": Preset("CriticalKV over TOVA's scores", _preset(TOVAScorer, CriticalSelector)),
+    "reconstruct": Preset(
+        "KVzip: max attention from the model repeating the context (chunks of 2048), question-agnostic, top-k",
+        _preset(ReconstructionScorer, TopKSelector),
+    ),
+    "critical-reconstruct": Preset(
+        "CriticalKV over the reconstruction scores: two-stage selection per head",
+        _preset(ReconstructionScorer, CriticalSelector),
+    ),
+    "ada-reconstruct": Preset(
+        "reconstruction scores, AdaKV head budgets (safeguard 0.2), top-k per head",
+        lambda: Method(ReconstructionScorer(), AdaKVAllocator(), TopKSelector()),
+    ),
+    "critical-ada-reconstruct": Preset(
+        "reconstruction scores, AdaKV head budgets, CriticalKV's two-stage selection per head",
+        lambda: Method(ReconstructionScorer(), AdaKVAllocator(), CriticalSelector()),
+    ),
+    "defensive": Preset(
+        "DefensiveKV: window max floored at the head mean, value shares across heads, cumulative-mass stage 1; "
+        "one layer-wide contest sets head budgets",
+        lambda: Method(DefensiveScorer(), AdaKVAllocator(safeguard=0.0), DefensiveSelector()),
+    ),
+    "layer-defensive": Preset(
+        "Layer-DefensiveKV: DefensiveKV's ranking, one contest over every layer and head (reference: every layer "
+        "stays dense until the prefill ends)",
+        lambda: Method(DefensiveScorer(), CrossLayerAllocator(), DefensiveSelector()),
+    ),
+    "layer-defensive-bounded": Preset(
+        "Layer-DefensiveKV's allocation computed layer by layer: each layer compressed on arrival, earlier layers "
+        "shrunk as later ones win entries (peak memory of a per-layer method)",
+        lambda: Method(DefensiveScorer(), BoundedCrossLayerAllocator(), DefensiveSelector()),
+    ),
 }
 
 
@@ -73,11 +127,40 @@ def method_names() -> list[str]:
     return list(PRESETS)
 
 
+def parse_option_value(raw: str) -> object:
+    """An option's value as written on a command line: int, float, ``true``/``false``, else the string."""
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            continue
+    return {"true": True, "false": False}.get(raw.lower(), raw)
+
+
+def parse_method_spec(spec: str) -> tuple[str, dict[str, object]]:
+    """``"critical-snapkv:alpha=0.25;eps=0"`` -> ``("critical-snapkv", {"alpha": 0.25, "eps": 0})``.
+
+    A method spec is a preset name, optionally followed by ``:`` and ``key=value`` options separated by ``;``.
+    """
+    name, _, rest = spec.partition(":")
+    options: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in rest.split(";"))):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise UnknownMethodError(f"method spec {spec!r}: option {item!r} is not of the form key=value")
+        options[key.strip()] = parse_option_value(raw.strip())
+    return name.strip(), options
+
+
 def build_method(name: str, **options: object) -> Method | None:
     """The method of a preset, with options set on whichever piece has them (``window=64``, ``alpha=0.25``).
 
-    Returns None for ``full``. Unknown names and options raise ``UnknownMethodError``.
+    ``name`` may be a method spec, ``"critical-snapkv:alpha=0.25;eps=0"`` (see ``parse_method_spec``); keyword
+    options override the spec's. Returns None for ``full``. Unknown names and options raise ``UnknownMethodError``.
     """
+    spec = name
+    name, spec_options = parse_method_spec(spec)
+    options = {**spec_options, **options}
     preset = PRESETS.get(name)
     if preset is None:
         raise UnknownMethodError(f"unknown method {name!r}; choose one of: {', '.join(PRESETS)}")
@@ -96,4 +179,4 @@ def build_method(name: str, **options: object) -> Method | None:
             )
         for owner in owners:
             pieces[owner] = dataclasses.replace(pieces[owner], **{key: value})
-    return Method(pieces["scorer"], pieces["allocator"], pieces["selector"], name=name)
+    return Method(pieces["scorer"], pieces["allocator"], pieces["selector"], name=spec)

@@ -2,6 +2,8 @@
 
 from criticalkv.allocators.adakv import AdaKVAllocator
 from criticalkv.allocators.base import Allocator
+from criticalkv.allocators.cross_layer import CrossLayerAllocator
+from criticalkv.allocators.cross_layer_bounded import BoundedCrossLayerAllocator
 from criticalkv.allocators.head_profile import (
     HeadProfile,
     HeadProfileError,
@@ -16,6 +18,8 @@ from criticalkv.allocators.uniform import UniformAllocator
 __all__ = [
     "AdaKVAllocator",
     "Allocator",
+    "BoundedCrossLayerAllocator",
+    "CrossLayerAllocator",
     "HeadKVAllocator",
     "HeadProfile",
     "HeadProfileError",

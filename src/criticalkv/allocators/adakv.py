@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from criticalkv.distributed.balance import cap_rank_imbalance
+from criticalkv.distributed.heads import every_head, head_shard
 from criticalkv.scorers.base import LayerView
 
 
@@ -30,6 +32,10 @@ class AdaKVAllocator:
     safeguard
         Share of ``B`` every head keeps whatever its scores (kvpress's ``alpha_safeguard``, 0.2). The reserve
         is at least one entry, also with ``safeguard=0`` (kvpress then reserves none and can empty a head).
+    max_rank_imbalance
+        Under tensor parallelism, no rank holds more than ``1 + max_rank_imbalance`` times the mean rank's
+        entries of a layer (``criticalkv.distributed.cap_rank_imbalance``); None (default) leaves AdaKV's
+        budgets as they are. No effect on one process.
 
     Notes
     -----
@@ -38,13 +44,20 @@ class AdaKVAllocator:
     Equal scores are ordered arbitrarily (``torch.topk``). The window is the same set of positions in every
     head, which is what lets the safeguard and the window be counted in closed form: only the safeguard
     entries outside the window and the pooled contest need a top-k (no sort of the whole layer).
+
+    Under tensor parallelism each rank holds a block of the heads: the scores of every head are gathered (one
+    ``all_gather`` per layer) and every rank runs this same allocation on the same tensor, so the ranks agree
+    with each other and with one process (ties fall the same way), and each keeps its own heads' budgets.
     """
 
     safeguard: float = 0.2
+    max_rank_imbalance: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.safeguard <= 1.0:
             raise ValueError(f"safeguard must be in [0, 1], got {self.safeguard}")
+        if self.max_rank_imbalance is not None and not self.max_rank_imbalance >= 0:
+            raise ValueError(f"max_rank_imbalance must be >= 0 or None, got {self.max_rank_imbalance}")
 
     def allocate(
         self,
@@ -57,6 +70,19 @@ class AdaKVAllocator:
 
         ``protected`` (b, t) bool marks positions the selector keeps first; they rank above every score.
         """
+        shard = head_shard(view)
+        if shard is None:
+            return self._allocate(scores, row_budgets, view, protected)
+        every = every_head(view, scores)  # (b, h_kv, t): every rank's heads, in the model's order
+        budgets = self._allocate(every, row_budgets, view, protected)  # (b, h_kv)
+        if self.max_rank_imbalance is not None:
+            budgets = cap_rank_imbalance(budgets, every, view.valid, protected, shard.size, self.max_rank_imbalance)
+        return shard.local(budgets)
+
+    def _allocate(
+        self, scores: torch.Tensor, row_budgets: torch.Tensor, view: LayerView, protected: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The allocation over every head in ``scores`` (b, h, t): (b, h) long."""
         b, h, t = scores.shape
         valid = view.valid  # (b, t)
         budgets = torch.minimum(row_budgets.long(), view.lengths)  # B: (b,)

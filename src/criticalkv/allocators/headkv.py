@@ -10,6 +10,8 @@ from transformers import PretrainedConfig
 
 from criticalkv.allocators.head_profile import HeadProfile, HeadProfileError, config_shape, load_profile
 from criticalkv.allocators.pyramid import compressed_layer_position, full_attention_layers, largest_remainder
+from criticalkv.distributed.balance import cap_rank_imbalance
+from criticalkv.distributed.heads import every_head, head_shard
 from criticalkv.errors import BudgetError
 from criticalkv.scorers.base import LayerView
 
@@ -67,6 +69,15 @@ class HeadKVAllocator:
         Share of ``E`` every head gets whatever its importance, in [0, 1] (1 = uniform).
     scope
         ``"layer"`` (the pool is the layer's heads) or ``"model"`` (all heads of the full-attention layers).
+    max_rank_imbalance
+        Under tensor parallelism, no rank holds more than ``1 + max_rank_imbalance`` times the mean rank's
+        entries of a layer (``criticalkv.distributed.cap_rank_imbalance``, which then gathers the scores: one
+        ``all_gather`` per layer); None (default) leaves the budgets as they are. No effect on one process.
+
+    Notes
+    -----
+    Under tensor parallelism each rank computes the budgets of every head of the layer from the profile (no
+    communication: the profile, lengths and window are the same on every rank) and keeps its own heads'.
 
     Raises
     ------
@@ -80,10 +91,13 @@ class HeadKVAllocator:
     profile: HeadProfile | None = None
     base_share: float = 0.2
     scope: str = "layer"
+    max_rank_imbalance: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.base_share <= 1.0:
             raise ValueError(f"base_share must be in [0, 1], got {self.base_share}")
+        if self.max_rank_imbalance is not None and not self.max_rank_imbalance >= 0:
+            raise ValueError(f"max_rank_imbalance must be >= 0 or None, got {self.max_rank_imbalance}")
         if self.scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
         self._resolved: dict[tuple, HeadProfile] = {}  # model shape -> checked profile (not a dataclass field)
@@ -106,7 +120,8 @@ class HeadKVAllocator:
         protected: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Per-head budgets (b, h_kv) long; scores (b, h_kv, t) are not needed, only their shape."""
-        h = scores.shape[1]
+        shard = head_shard(view)
+        h = scores.shape[1] if shard is None else shard.total_heads  # every KV head of the layer
         module = view.module
         profile = self.profile_for(module.config)
         if h != profile.num_kv_heads:
@@ -134,4 +149,9 @@ class HeadKVAllocator:
                 f"HeadKV gives KV head {head} of layer {module.layer_idx} zero entries (row budget "
                 f"{int(budgets[row])} per head): raise the budget or base_share (now {self.base_share})"
             )
-        return out
+        if shard is None:
+            return out
+        if self.max_rank_imbalance is not None:
+            every = every_head(view, scores)  # (b, h_kv, t)
+            out = cap_rank_imbalance(out, every, view.valid, protected, shard.size, self.max_rank_imbalance)
+        return shard.local(out)

@@ -107,19 +107,24 @@ def text_prompts(tokenizer, path: Path, n: int, length: int) -> list[Prompt]:
 
 
 def parse_pairs(spec: str | None, methods: list[str]) -> list[tuple[str, str]]:
-    """``"a:b,c:d"`` -> [(a, b), (c, d)] (B is compared with A); None: each method against the first."""
+    """``"a:b,c:d"`` -> [(a, b), (c, d)] (B is compared with A); None: each method against the first.
+
+    A and B may be method specs with options (``snapkv:critical-snapkv:alpha=0.25``): the item splits at the
+    ``:`` that leaves a method of ``methods`` on both sides.
+    """
     if not spec:
         return [(methods[0], m) for m in methods[1:]]
     pairs = []
     for item in spec.split(","):
-        a, sep, b = item.strip().partition(":")
-        if not sep or not a.strip() or not b.strip():
+        item = item.strip()
+        cuts = [i for i, char in enumerate(item) if char == ":"]
+        splits = [(item[:i].strip(), item[i + 1 :].strip()) for i in cuts]
+        if not splits or not all(splits[0]):
             raise CriticalKVError(f"pair {item!r} is not of the form A:B")
-        a, b = a.strip(), b.strip()
-        for name in (a, b):
-            if name not in methods:
-                raise CriticalKVError(f"pair {item!r} names {name!r}, which is not among --methods {methods}")
-        pairs.append((a, b))
+        known = [(a, b) for a, b in splits if a in methods and b in methods]
+        if len(known) != 1:
+            raise CriticalKVError(f"pair {item!r} does not name two of --methods {methods} (A:B)")
+        pairs.append(known[0])
     return pairs
 
 

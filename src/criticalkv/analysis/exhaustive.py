@@ -17,6 +17,7 @@ from torch import nn
 
 from criticalkv.scorers import LayerView
 from criticalkv.selectors import CriticalSelector, TopKSelector
+from criticalkv.selectors.measured import WindowPerturbation
 
 __all__ = [
     "exhaustive_check",
@@ -104,7 +105,9 @@ def selector_masks(
     """Kept sets (n,) bool of criticalkv's selectors, scored by the mean attention of the given queries.
 
     ``"topk"``: the ``budget`` entries of highest attention. ``"critical"``: ``CriticalSelector`` (stage 1 by
-    attention, stage 2 by (A + eps) * ||V W||_1), the class the runtime uses.
+    attention, stage 2 by (A + eps) * ||V W||_1), the class the runtime uses. ``"measured"``: the swap search of
+    ``PerturbationSelector`` (``WindowPerturbation.improve``) on the perturbation of these queries, from the top-k
+    set, every entry a candidate.
     """
     n = keys.shape[0]
     scores = torch.softmax((query.float() @ keys.float().T) * scaling, dim=-1).mean(0)[None, None]  # (1, 1, n)
@@ -118,9 +121,14 @@ def selector_masks(
     )
     budgets = torch.tensor([[budget]])
     protected = torch.zeros(1, n, dtype=torch.bool)
+    topk = TopKSelector().select(scores.clone(), budgets, protected, view)
+    attention = torch.softmax((query.float() @ keys.float().T) * scaling, dim=-1)  # (m, n)
+    objective = WindowPerturbation(attention[None, None, None], values[None, None], w[None, None])
+    everything = torch.ones(1, 1, n, dtype=torch.bool)
     return {
-        "topk": TopKSelector().select(scores.clone(), budgets, protected, view)[0, 0],
+        "topk": topk[0, 0],
         "critical": CriticalSelector(alpha=alpha, eps=eps).select(scores.clone(), budgets, protected, view)[0, 0],
+        "measured": objective.improve(topk, everything, pool=n, rounds=2 * n, candidates=n, max_weight=1.0)[0, 0],
     }
 
 
@@ -203,7 +211,7 @@ def exhaustive_check(
         },
         "selectors": {},
     }
-    for name in ("topk", "critical"):
+    for name in ("topk", "critical", "measured"):
         r = np.array([row[name] for row in rows])
         summary["selectors"][name] = {
             "mean_ratio": float(r.mean()),

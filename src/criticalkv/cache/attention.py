@@ -2,7 +2,9 @@
 
 Dense (not yet compressed) layers go to the model's own attention implementation with transformers' mask,
 so an uncompressed run is exactly the model's run. Compressed layers attend over their variable-length
-segments (``segment_attention``).
+segments through ``compressed_attention``: flash-attn's varlen kernel or one padded SDPA call over all segments
+(``fused_attention``), or one SDPA call per segment (``segment_attention``); ``fused_attention.choose_path``
+says which, and ``$CRITICALKV_ATTENTION`` forces one.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from criticalkv.cache.compressed_layer import CompressedLayer, as_bool_mask
+from criticalkv.cache.fused_attention import choose_path, flash_varlen_attention, padded_attention
 from criticalkv.errors import CriticalKVError
 
-__all__ = ["as_bool_mask", "criticalkv_attention", "register", "segment_attention"]
+__all__ = ["as_bool_mask", "compressed_attention", "criticalkv_attention", "register", "segment_attention"]
 
 BASE_IMPLEMENTATIONS = ("sdpa", "eager")
 MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}
@@ -65,6 +68,25 @@ def segment_attention(
     return out.view(b, h_q, q, d).transpose(1, 2)
 
 
+def compressed_attention(
+    query: torch.Tensor,
+    layer: CompressedLayer,
+    tail_keys: torch.Tensor,
+    tail_values: torch.Tensor,
+    tail_mask: torch.Tensor,
+    scaling: float,
+    path: str | None = None,
+) -> torch.Tensor:
+    """Attention of a compressed layer by the path ``choose_path`` picks (or ``path``: ``auto``, ``flash``,
+    ``padded``, ``segments``); shapes as in ``segment_attention``. Every path computes the same attention."""
+    chosen = choose_path(query, layer, tail_mask, tail_keys.shape[2], path)
+    if chosen == "flash":
+        return flash_varlen_attention(query, layer, tail_keys, tail_values, scaling)
+    if chosen == "padded":
+        return padded_attention(query, layer, tail_keys, tail_values, tail_mask, scaling)
+    return segment_attention(query, layer, tail_keys, tail_values, tail_mask, scaling)
+
+
 def _base_attention(module: nn.Module, base: str):
     if base == "eager":  # each modeling file defines its own eager function (softcapping, sinks, ...)
         return sys.modules[type(module).__module__].eager_attention_forward
@@ -88,10 +110,12 @@ def criticalkv_attention(
     layer = compressor.layer_for(module.layer_idx)
     if layer is not None and layer.is_compressed:
         mask = layer.tail_mask(attention_mask, query.shape[2])
-        out, weights = segment_attention(query, layer, key, value, mask, scaling), None
+        out, weights = compressed_attention(query, layer, key, value, mask, scaling), None
     else:
         base = _base_attention(module, compressor.base_implementation)
         out, weights = base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        if layer is not None and compressor.attention_probe is not None:  # collection mode: the output is untouched
+            compressor.attention_probe(module, query, key, attention_mask, scaling)
     if layer is not None and layer.fresh:
         compressor.compress_layer(module, query, key, value, attention_mask, scaling, layer)
     return out, weights

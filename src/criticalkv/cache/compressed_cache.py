@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from transformers import PretrainedConfig
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DummyLayer, get_layer_types_and_kwargs
 
 from criticalkv.cache.compressed_layer import CompressedLayer
+from criticalkv.distributed.layout import stage_layers
 from criticalkv.errors import CacheStateError
 
 if TYPE_CHECKING:
@@ -18,16 +19,22 @@ class CompressedCache(Cache):
     """A cache whose full-attention layers can be compressed right after their prefill.
 
     Sliding-window layers (Gemma 3, Mistral with a window) already hold at most their window and are left
-    to transformers' own layers, uncompressed.
+    to transformers' own layers, uncompressed. On a pipeline stage, the layers other stages run are
+    transformers' ``DummyLayer`` (they hold nothing, and masks are sized from a layer the stage runs).
     """
 
     def __init__(self, config: PretrainedConfig, compressor: Compressor | None = None) -> None:
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-        layers = [
-            CompressedLayer() if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
-            for kind, kwargs in zip(layer_types, layer_kwargs, strict=True)
-        ]
+        owned = None if compressor is None else stage_layers(compressor.model)  # None: every layer
+        layers = []
+        for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
+            if owned is not None and index not in owned:
+                layers.append(DummyLayer())
+            elif kind == "full_attention":
+                layers.append(CompressedLayer())
+            else:
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
         super().__init__(layers=layers)
         self.compressor = compressor
 
@@ -46,7 +53,7 @@ class CompressedCache(Cache):
         for layer in self.layers:
             if isinstance(layer, CompressedLayer):
                 total += layer.nbytes()
-            elif getattr(layer, "is_initialized", False):
+            elif getattr(layer, "is_initialized", False) and layer.keys is not None:  # DummyLayer: no keys
                 total += layer.keys.nbytes + layer.values.nbytes
         return total
 
@@ -56,6 +63,6 @@ class CompressedCache(Cache):
         for layer in self.layers:
             if isinstance(layer, CompressedLayer):
                 total += layer.entries()
-            elif getattr(layer, "is_initialized", False):
+            elif getattr(layer, "is_initialized", False) and layer.keys is not None:  # DummyLayer: no keys
                 total += layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2]
         return total

@@ -139,6 +139,29 @@ class CompressedLayer(CacheLayerMixin):
         self.context_seen = self.seen
         self.fresh = self.pending = False
 
+    def shrink(self, keep: torch.Tensor) -> None:
+        """Keep only the flagged entries of the compressed context; the others are freed.
+
+        ``keep`` (N,) bool runs over the context entries in storage order (segment after segment, positions
+        ascending), as a keep mask restricted to the kept entries reads in row-major order: ``keep_now[kept]``.
+        Used by allocators that compress a layer on arrival and take entries back as later layers arrive. The
+        tail (tokens appended after the context) is untouched.
+        """
+        if not self.is_compressed:
+            raise CacheStateError("only a compressed layer can shrink; compress it first")
+        n = self.context_keys.shape[0]
+        if keep.dtype != torch.bool or keep.shape != (n,):
+            raise CacheStateError(f"shrink takes a ({n},) bool mask over the kept entries, got {tuple(keep.shape)}")
+        keep = keep.to(self.context_keys.device)
+        segments = torch.repeat_interleave(
+            torch.arange(self.lengths.numel(), device=keep.device), self.lengths.flatten()
+        )
+        counts = torch.zeros(self.lengths.numel(), dtype=torch.long, device=keep.device)
+        counts.scatter_add_(0, segments, keep.long())
+        self.context_keys = self.context_keys[keep]  # a new, smaller buffer; the old one is released
+        self.context_values = self.context_values[keep]
+        self.lengths = counts.view_as(self.lengths)
+
     def offsets(self) -> torch.Tensor:
         """Start of each segment in the flat context: (b * h_kv + 1,) long."""
         counts = self.lengths.flatten()

@@ -11,10 +11,11 @@ import typer
 from rich.console import Console
 
 from criticalkv.budget import Budget
+from criticalkv.distributed import launch
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.report import write_report
 from criticalkv.eval.sweep import REGIMES, load_rows, pair_label, run_sweep
-from criticalkv.models.presets import DEFAULT_PRESET, load_model
+from criticalkv.models.presets import DEFAULT_PRESET
 
 app = typer.Typer(help="Benchmarks: RULER and needle-in-a-haystack, generated offline.", no_args_is_help=True)
 console = Console()
@@ -55,7 +56,7 @@ def ruler(
         parsed = [Budget.parse(b) for b in _split(budgets)]
         regime = "aware" if question_aware else "agnostic"
         folder = out or Path("results") / f"ruler-{Path(model).name}-{length}-{regime}"
-        loaded, tokenizer = load_model(model)
+        loaded, tokenizer = launch.load_model(model)
         max_length = getattr(loaded.config, "max_position_embeddings", None)
         if max_length is not None and length > max_length:
             raise CriticalKVError(f"length {length} exceeds the model's maximum of {max_length} positions")
@@ -82,7 +83,8 @@ def ruler(
         )
     except CriticalKVError as error:
         _fail(error)
-    console.print(f"wrote {write_report(folder, f'RULER-{length}, {Path(model).name}, question-{regime}')}")
+    if launch.is_main_process():
+        console.print(f"wrote {write_report(folder, f'RULER-{length}, {Path(model).name}, question-{regime}')}")
 
 
 @dataclass
@@ -113,7 +115,7 @@ def needle(
         parsed = Budget.parse(budget)
         regime = "aware" if question_aware else "agnostic"
         folder = out or Path("results") / f"needle-{Path(model).name}-{regime}"
-        loaded, tokenizer = load_model(model)
+        loaded, tokenizer = launch.load_model(model)
         cells = needle_grid(tokenizer, [int(x) for x in _split(lengths)], [float(x) for x in _split(depths)], seed)
         items = [
             _NeedleItem(
@@ -135,6 +137,8 @@ def needle(
         )
     except CriticalKVError as error:
         _fail(error)
+    if not launch.is_main_process():
+        return
     rows = [r for r in load_rows(folder / "results.jsonl") if r.regime == regime]
     grids: dict[str, dict] = {}
     for row in rows:

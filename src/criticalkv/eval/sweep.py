@@ -6,16 +6,19 @@ stopped. ``criticalkv.eval.report`` turns the file into tables and plots.
 
 from __future__ import annotations
 
+import io
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TextIO
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from criticalkv.budget import Budget
+from criticalkv.distributed.layout import ParallelLayout
 from criticalkv.eval.needle import chat_prompt_parts, encode_prompt_parts
 from criticalkv.methods import build_method
 from criticalkv.runtime.shared_prefill import SharedPrefill
@@ -72,9 +75,9 @@ def run_sweep(
     pairs = [("full", "full", Budget(1.0))] + [
         (pair_label(m, b), m, b) for m in methods if m != "full" for b in budgets
     ]
-    out_dir.mkdir(parents=True, exist_ok=True)
+    layout = ParallelLayout.of(model)  # under torchrun every rank answers every sample; rank 0 writes
     path = out_dir / "results.jsonl"
-    done = _done_samples(path, regime, {label for label, _, _ in pairs})
+    done = layout.from_main(_done_samples(path, regime, {label for label, _, _ in pairs}) if layout.is_main else None)
     rows: list[Row] = []
     columns = (
         TextColumn("{task.description}"),
@@ -84,13 +87,15 @@ def run_sweep(
         TextColumn("ETA"),
         TimeRemainingColumn(),
     )
-    with Progress(*columns) as progress, path.open("a") as sink:
+    if layout.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    with Progress(*columns, disable=not layout.is_main) as progress, _sink(path, layout.is_main) as sink:
         bar = progress.add_task(f"{regime} sweep, {len(pairs)} pairs", total=total)
         for sample in samples:
             if (sample.task, sample.index) in done:
                 progress.advance(bar)
                 continue
-            sample_rows = _answer(model, tokenizer, sample, score, pairs, regime, max_new_tokens(sample))
+            sample_rows = _answer(model, tokenizer, sample, score, pairs, regime, max_new_tokens(sample), layout)
             for row in sample_rows:
                 sink.write(json.dumps(asdict(row)) + "\n")
             sink.flush()
@@ -100,19 +105,22 @@ def run_sweep(
 
 
 @torch.no_grad()
-def _answer(model, tokenizer, sample: Sample, score, pairs, regime: str, max_new_tokens: int) -> list[Row]:
+def _answer(
+    model, tokenizer, sample: Sample, score, pairs, regime: str, max_new_tokens: int, layout: ParallelLayout
+) -> list[Row]:
     prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
     prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
     prompt = prefix_ids + suffix_ids if regime == "aware" else prefix_ids
-    question = None if regime == "aware" else torch.tensor([suffix_ids])
+    device = next(model.parameters()).device
+    question = None if regime == "aware" else torch.tensor([suffix_ids], device=device)
     sessions = SharedPrefill(model, [(label, method, budget) for label, method, budget in pairs]).prefill(
-        torch.tensor([prompt])
+        torch.tensor([prompt], device=device)
     )
-    full_entries = sessions["full"].kv_entries()
+    full_entries = layout.total(sessions["full"].kv_entries())  # the whole model's, every rank's part counted
     rows = []
     for label, method, budget in pairs:
         session = sessions[label]
-        kept = session.kv_entries() / full_entries
+        kept = layout.total(session.kv_entries()) / full_entries
         generation = session.ask(question, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id)
         text = tokenizer.decode(generation.tokens[0], skip_special_tokens=True).strip()
         rows.append(
@@ -129,6 +137,16 @@ def _answer(model, tokenizer, sample: Sample, score, pairs, regime: str, max_new
             )
         )
     return rows
+
+
+@contextmanager
+def _sink(path: Path, writes: bool) -> Iterator[TextIO]:
+    """``path`` opened for appending, or a sink that drops everything on a rank that does not write."""
+    if not writes:
+        yield io.StringIO()
+        return
+    with path.open("a") as sink:
+        yield sink
 
 
 def _done_samples(path: Path, regime: str, labels: set[str]) -> set[tuple[str, int]]:

@@ -318,6 +318,7 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     device: str = "cpu",
     attn_implementation: str = "sdpa",
+    distributed_config: object | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a supported causal LM and its tokenizer, in eval mode.
 
@@ -332,6 +333,10 @@ def load_model(
         Torch device the model is moved to.
     attn_implementation : str
         Passed to ``from_pretrained`` (``"sdpa"``, ``"eager"``, ...).
+    distributed_config : transformers.distributed.DistributedConfig, optional
+        Passed to ``from_pretrained`` to shard the model over the processes torchrun launched (the model then
+        stays on the devices transformers places it on; ``device`` is ignored). See
+        ``criticalkv.distributed.launch.load_model``.
 
     Returns
     -------
@@ -340,7 +345,8 @@ def load_model(
     Raises
     ------
     UnsupportedModelError
-        The checkpoint's ``model_type`` is not a supported family (checked before loading weights).
+        The checkpoint's ``model_type`` is not a supported family, or its heads do not split evenly over the
+        tensor-parallel ranks of ``distributed_config`` (checked before loading weights).
     ModelAssetError
         A preset's packages are missing or corrupt.
     """
@@ -367,6 +373,14 @@ def load_model(
         )
         raise
     check_supported(config)
+    if distributed_config is not None:
+        from criticalkv.distributed.layout import check_even_heads
+
+        check_even_heads(config, distributed_config.tp_size)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype, attn_implementation=attn_implementation, distributed_config=distributed_config
+        )
+        return model.eval(), AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation=attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(source)
     return model.to(device).eval(), tokenizer

@@ -12,6 +12,7 @@ the model to it with ``set_attn_implementation`` and back, and a forward pre-hoo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,7 @@ from transformers.cache_utils import Cache
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer, attention
+from criticalkv.distributed.layout import check_model
 from criticalkv.errors import CacheStateError, UnsupportedModelError
 from criticalkv.models.families import check_supported
 from criticalkv.runtime.method import Method
@@ -88,6 +90,7 @@ class Compressor:
 
     def __post_init__(self) -> None:
         check_supported(self.model.config)
+        check_model(self.model)  # a tensor-parallel split criticalkv can compress exactly, before any forward
         self.base_implementation = self.model.config._attn_implementation
         if self.base_implementation.startswith("criticalkv_"):
             raise CacheStateError("this model is already inside criticalkv.compress(...); blocks do not nest")
@@ -102,6 +105,11 @@ class Compressor:
         self.pending: list[PendingLayer] = []  # layers of a deferred method during a prefill
         self._inputs: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # the prefill's ids and mask
         self._finishing = False  # forwards run by a scorer while finishing a deferred prefill
+        # Collection mode: while set, the attention function calls it on each dense compressible layer with
+        # (module, query, keys, mask, scaling) after computing the layer's own output (reconstruction scoring).
+        self.attention_probe: Callable[..., None] | None = None
+        self._state_cache: CompressedCache | None = None  # the cache whose prefill ``_state`` belongs to
+        self._state: dict = {}
 
     # --- install / uninstall ---------------------------------------------------------------------------------
     @property
@@ -190,7 +198,11 @@ class Compressor:
         scores = None
         if getattr(method.scorer, "after_prefill", False):
             ids, mask = self._inputs
-            scores = method.scorer.score_after_prefill(PrefillContext(self.model, self, cache, ids, mask, pending))
+            finishing, self._finishing = self._finishing, True  # the scorer's own forwards are not prefills
+            try:
+                scores = method.scorer.score_after_prefill(PrefillContext(self.model, self, cache, ids, mask, pending))
+            finally:
+                self._finishing = finishing
         views = [_current_view(p) for p in pending]
         decisions = method.decide_layers(views, budget, scores)
         for item, view, decision in zip(pending, views, decisions, strict=True):
@@ -212,7 +224,11 @@ class Compressor:
         if not getattr(method.scorer, "after_prefill", False):
             method.scores_of(view)  # computed while the full query is at hand, kept in the view's memo
         rows = min(method.query_rows, view.query.shape[2])
-        light = dataclasses.replace(view, query=view.query[:, :, -rows:].clone())
+        b, h_kv, _, d = view.keys.shape
+        empty = view.keys.new_empty((b, h_kv, 0, d))  # the layer's storage is read back at the end (_current_view),
+        light = dataclasses.replace(  # so passes that grow it never keep the prefill-sized buffers alive twice
+            view, query=view.query[:, :, -rows:].clone(), keys=empty, values=empty
+        )
         layer.fresh, layer.pending = False, True
         return PendingLayer(layer, light)
 
@@ -239,7 +255,28 @@ class Compressor:
         if self.method.deferred:
             self.pending.append(self.defer_layer(view, layer, self.method))
             return
-        self._apply(layer, view, self.method.decide(view, self.budget), self.records)
+        decision = self.method.decide(view, self.budget, self.prefill_state(self.active_cache))
+        apply_shrink(self.active_cache, decision.shrink, self.records)  # before this layer grows: a lower peak
+        self._apply(layer, view, decision, self.records)
+
+    def prefill_state(self, cache: CompressedCache) -> dict:
+        """The method's scratch dict for the prefill of ``cache`` (streaming allocators); fresh for a new cache."""
+        if self._state_cache is not cache:
+            self._state_cache, self._state = cache, {}
+        return self._state
+
+
+def apply_shrink(cache: Cache, shrink: dict[int, torch.Tensor], records: list[LayerRecord]) -> None:
+    """Shrink earlier compressed layers of a prefill as a streaming allocator ordered; their records follow."""
+    for index, keep in shrink.items():
+        layer = cache.layers[index]
+        layer.shrink(keep)
+        record = next(r for r in reversed(records) if r.layer == index)
+        record.kept = layer.lengths.clone()
+        if record.keep is not None:  # the (b, h_kv, t) keep mask: its kept entries, in storage order, are `keep`
+            mask = torch.zeros_like(record.keep)
+            mask[record.keep] = keep
+            record.keep = mask
 
 
 def _current_view(item: PendingLayer) -> LayerView:

@@ -8,6 +8,7 @@ import torch
 
 from criticalkv.allocators import Allocator, UniformAllocator
 from criticalkv.budget import Budget
+from criticalkv.errors import CriticalKVError
 from criticalkv.scorers import LayerView, Scorer
 from criticalkv.selectors import Selector, TopKSelector
 
@@ -19,6 +20,9 @@ class Decision:
     keep: torch.Tensor | None  # (b, h_kv, t) bool, or None when every row is kept whole
     budgets: torch.Tensor  # (b, h_kv) long: entries kept per head
     kept_whole: torch.Tensor  # (b,) bool: rows too short to compress (shorter than the budget or the window)
+    # Earlier layers of the same prefill to shrink (a streaming allocator): layer index -> (N,) bool mask over that
+    # layer's kept entries in storage order (``CompressedLayer.shrink``).
+    shrink: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,29 +65,54 @@ class Method:
         """Last query rows of a prefill that scoring and selection read (a deferred layer keeps only these)."""
         return max(int(getattr(piece, "window", 1)) for piece in (self.scorer, self.allocator, self.selector))
 
-    def decide(self, view: LayerView, budget: Budget) -> Decision:
-        """Decide one layer from its prefill view."""
-        return self.decide_layers([view], budget)[0]
+    def decide(self, view: LayerView, budget: Budget, state: dict | None = None) -> Decision:
+        """Decide one layer from its prefill view.
+
+        ``state`` is a scratch dict the runtime keeps per prefill (and per cache) for an allocator that carries
+        state from layer to layer (``allocator.streaming``); such an allocator may also order earlier layers of
+        the prefill to shrink (``Decision.shrink``).
+        """
+        return self.decide_layers([view], budget, state=state)[0]
 
     def scores_of(self, view: LayerView) -> torch.Tensor:
         """The scorer's scores of a layer, computed once per view: (b, h_kv, t) float32."""
         return view.remember(("scores", repr(self.scorer)), lambda: self.scorer.score(view))
 
     def decide_layers(
-        self, views: list[LayerView], budget: Budget, scores: list[torch.Tensor] | None = None
+        self,
+        views: list[LayerView],
+        budget: Budget,
+        scores: list[torch.Tensor] | None = None,
+        state: dict | None = None,
     ) -> list[Decision]:
         """Decide several layers of one prefill together.
 
         ``scores`` (one (b, h_kv, t) tensor per view) replaces the scorer's, for scorers that compute them from
         passes after the prefill. A cross-layer allocator splits the budget over every layer given; other
-        allocators split each layer's budget over its heads, exactly as ``decide`` does layer by layer.
+        allocators split each layer's budget over its heads, exactly as ``decide`` does layer by layer. A selector
+        with a ``rank`` method re-scores each layer first (DefensiveKV): allocation and selection follow its ranking.
         """
+        streaming = bool(getattr(self.allocator, "streaming", False))
+        if streaming and (state is None or len(views) != 1):
+            raise CriticalKVError(
+                f"{type(self.allocator).__name__} decides one layer at a time with the runtime's per-prefill state; "
+                "use it through criticalkv.compress, a ContextSession or a SharedPrefill"
+            )
         plans = [self._plan(view, budget) for view in views]
         if bool(plans[0].kept_whole.all()):  # lengths, budget and protected positions are shared by every layer
             return [self._whole(view, plan) for view, plan in zip(views, plans, strict=True)]
         if scores is None:
             scores = [self.scores_of(view) for view in views]
         scores = [s.clone() for s in scores]  # shared with other methods deciding on these views
+        rank = getattr(self.selector, "rank", None)
+        if rank is not None:
+            scores = [rank(s, p.row_budgets, p.protected, v) for s, p, v in zip(scores, plans, views, strict=True)]
+        if streaming:
+            plan, view, layer_scores = plans[0], views[0], scores[0]
+            budgets = self.allocator.allocate(layer_scores, plan.row_budgets, view, plan.protected, state)
+            decision = self._select(view, plan, layer_scores, budgets)
+            decision.shrink = self.allocator.settle(layer_scores, decision.keep, view, plan.protected, state)
+            return [decision]
         if getattr(self.allocator, "cross_layer", False):
             budgets = self.allocator.allocate_layers(
                 scores, [p.row_budgets for p in plans], views, [p.protected for p in plans]

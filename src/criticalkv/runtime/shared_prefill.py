@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer
 from criticalkv.methods import build_method
-from criticalkv.runtime.compressor import Compressor, LayerRecord, PendingLayer, prefill_view
+from criticalkv.runtime.compressor import Compressor, LayerRecord, PendingLayer, apply_shrink, prefill_view
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.session import ContextSession
 
@@ -32,6 +32,7 @@ class Target:
     cache: CompressedCache | None = None
     records: list[LayerRecord] = field(default_factory=list)
     pending: list[PendingLayer] = field(default_factory=list)  # a deferred method's dense layers
+    state: dict = field(default_factory=dict)  # the method's scratch dict for this prefill (streaming allocators)
 
     @property
     def deferred(self) -> bool:
@@ -66,7 +67,7 @@ class SharedPrefill(Compressor):
         """Run the prefill once; return one ``ContextSession`` per target label, ready to ``ask``."""
         for target in self.targets:
             target.cache = CompressedCache(self.model.config, self)
-            target.records, target.pending = [], []
+            target.records, target.pending, target.state = [], [], {}
         source = CompressedCache(self.model.config, self)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -113,7 +114,8 @@ class SharedPrefill(Compressor):
                 target.pending.append(self.defer_layer(view, own, target.method))
                 continue
             if target.method is not None and not target.budget.keeps_everything:
-                decision = target.method.decide(view, target.budget)
+                decision = target.method.decide(view, target.budget, target.state)
+                apply_shrink(target.cache, decision.shrink, target.records)
                 if decision.keep is not None:
                     own.compress(decision.keep)
                 target.records.append(

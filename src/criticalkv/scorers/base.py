@@ -8,6 +8,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from criticalkv.distributed.heads import output_projection
+
 
 @dataclass
 class LayerView:
@@ -44,8 +46,9 @@ class LayerView:
 
     @property
     def o_proj_weight(self) -> torch.Tensor:
-        """The output projection, (hidden, h_q * d)."""
-        return self.module.o_proj.weight
+        """The output projection's columns of this view's query heads, (hidden, h_q * d): the whole weight on one
+        process, this rank's own shard under tensor parallelism (``criticalkv.distributed.output_projection``)."""
+        return output_projection(self.module.o_proj.weight, self.query.shape[1] * self.query.shape[-1])
 
 
 class Scorer(Protocol):

@@ -10,6 +10,38 @@ import torch.nn.functional as F
 
 from criticalkv.scorers.base import LayerView, last_positions, window_attention
 
+AGGREGATES = ("mean", "max")
+
+
+def shared_window_attention(view: LayerView, window: int) -> torch.Tensor:
+    """``window_attention(view, window)`` computed once per view: (b, h_kv, G, w, t) float32. Do not modify it."""
+    w = min(window, view.keys.shape[2])
+    return view.remember(("window_attention", w), lambda: window_attention(view, w))
+
+
+def window_head_scores(view: LayerView, window: int, kernel: int, aggregate: str = "mean") -> torch.Tensor:
+    """SnapKV's statistic per query head, before the GQA mean: (b, h_kv, G, t - w) float32.
+
+    The window's attention over the context (its own columns dropped), reduced over the ``w`` window queries by
+    ``aggregate`` (``"mean"``, SnapKV; ``"max"``, as DefensiveKV does) and smoothed along the keys by an average
+    pool of width ``kernel`` (stride 1, same padding; 1 leaves it unpooled). Computed once per view and settings.
+    """
+
+    def compute() -> torch.Tensor:
+        b, h_kv, t, _ = view.keys.shape
+        w = min(window, t)
+        attn = shared_window_attention(view, w)[..., : t - w]  # (b, h_kv, G, w, t-w): drop the window's columns
+        scores = attn.mean(dim=3) if aggregate == "mean" else attn.amax(dim=3)  # (b, h_kv, G, t-w)
+        if t - w > 0 and kernel > 1:
+            flat = scores.reshape(-1, 1, t - w)
+            flat = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+            scores = flat.view(b, h_kv, -1, t - w)
+        return scores
+
+    if aggregate not in AGGREGATES:
+        raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
+    return view.remember(("window_head_scores", window, kernel, aggregate), compute)
+
 
 @dataclass
 class SnapKVScorer:
@@ -22,27 +54,27 @@ class SnapKVScorer:
         They are always kept and counted inside the budget.
     kernel
         Width of the average pool along the key axis (stride 1, same padding).
+    aggregate
+        How the window queries' attention is reduced per entry: ``"mean"`` (SnapKV, the paper) or ``"max"``
+        (an ablation; DefensiveKV's choice).
     """
 
     window: int = 32
     kernel: int = 5
+    aggregate: str = "mean"
 
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be a positive odd number, got {self.kernel}")
+        if self.aggregate not in AGGREGATES:
+            raise ValueError(f"aggregate must be one of {AGGREGATES}, got {self.aggregate!r}")
 
     def score(self, view: LayerView) -> torch.Tensor:
         b, h_kv, t, _ = view.keys.shape
         w = min(self.window, t)
-        attn = window_attention(view, w)[..., : t - w]  # (b, h_kv, G, w, t-w): drop the window's own columns
-        scores = attn.mean(dim=3)  # (b, h_kv, G, t-w)
-        if t - w > 0:
-            flat = scores.reshape(-1, 1, t - w)
-            flat = F.avg_pool1d(flat, self.kernel, stride=1, padding=self.kernel // 2)
-            scores = flat.view(b, h_kv, -1, t - w)
-        scores = scores.mean(dim=2)  # (b, h_kv, t-w): mean over the GQA group
+        scores = window_head_scores(view, w, self.kernel, self.aggregate).mean(dim=2)  # (b, h_kv, t-w): GQA mean
         # The window's own positions are protected; give them the row maximum so the scores stay readable.
         top = scores.amax(dim=-1, keepdim=True) if t > w else scores.new_zeros(b, h_kv, 1)
         return torch.cat([scores, top.expand(b, h_kv, w)], dim=-1)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from criticalkv.distributed.heads import head_shard
 from criticalkv.scorers.base import LayerView, last_positions, window_attention
 
 
@@ -17,6 +18,9 @@ class TOVAScorer:
     def score(self, view: LayerView) -> torch.Tensor:
         b, h_kv, t, _ = view.keys.shape
         attn = window_attention(view, 1)[:, :, :, 0, :]  # (b, h_kv, G, t)
+        shard = head_shard(view)
+        if shard is not None:  # tensor parallelism: the mean runs over every rank's heads (one all_gather)
+            attn = shard.gather(attn)
         scores = attn.mean(dim=(1, 2))  # (b, t): mean over every query head of the layer
         return scores[:, None, :].expand(b, h_kv, t).clone()
 

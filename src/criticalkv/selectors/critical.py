@@ -9,8 +9,12 @@ import torch
 
 from criticalkv.errors import NegativeScoreError
 from criticalkv.scorers.base import LayerView
+from criticalkv.scorers.snapkv import AGGREGATES, window_head_scores
 from criticalkv.selectors.base import keep_protected, take_top
 from criticalkv.selectors.value_norm import projected_value_norm
+
+STAGE2_ATTENTION = ("scores", "unpooled")
+VALUE_NORMS = ("group_mean", "per_head")
 
 
 @dataclass
@@ -32,11 +36,28 @@ class CriticalSelector:
     norm_dtype
         ``"float32"`` computes V W_O in float32 (method.md); ``"model"`` in the values' dtype with a float32
         sum, as kvpress does (bfloat16 products; about twice as fast on CPUs with AMX).
+    stage2
+        Which attention A stage 2 multiplies: ``"scores"``, the scorer's (the paper); ``"unpooled"``, the
+        observation window's attention without the pooling along the keys (an ablation).
+    value_norm
+        ``"group_mean"``: ``(A + eps) * N`` with A and N averaged over the GQA group (the paper, kvpress);
+        ``"per_head"``: the group mean of the per-query-head products ``(A_g + eps) * ||V W_O^g||_1``, with A_g
+        the window's attention of query head g (an ablation).
+    window, kernel, aggregate
+        The observation window the ablations read A from: its last ``window`` queries, pooled with ``kernel``
+        (not with ``stage2="unpooled"``), reduced over the queries by ``aggregate`` (``"mean"`` or ``"max"``).
+        The same names as ``SnapKVScorer``'s options, so ``build_method`` keeps both in step; unused by the paper's
+        defaults.
     """
 
     alpha: float = 0.5
     eps: float = 1e-4
     norm_dtype: str = "float32"
+    stage2: str = "scores"
+    value_norm: str = "group_mean"
+    window: int = 32
+    kernel: int = 5
+    aggregate: str = "mean"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -45,6 +66,14 @@ class CriticalSelector:
             raise ValueError(f"eps must be finite and >= 0, got {self.eps}")
         if self.norm_dtype not in ("float32", "model"):
             raise ValueError(f"norm_dtype must be 'float32' or 'model', got {self.norm_dtype!r}")
+        if self.stage2 not in STAGE2_ATTENTION:
+            raise ValueError(f"stage2 must be one of {STAGE2_ATTENTION}, got {self.stage2!r}")
+        if self.value_norm not in VALUE_NORMS:
+            raise ValueError(f"value_norm must be one of {VALUE_NORMS}, got {self.value_norm!r}")
+        if self.window < 1 or self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"window must be >= 1 and kernel a positive odd number, got {self.window}, {self.kernel}")
+        if self.aggregate not in AGGREGATES:
+            raise ValueError(f"aggregate must be one of {AGGREGATES}, got {self.aggregate!r}")
 
     def select(
         self, scores: torch.Tensor, budgets: torch.Tensor, protected: torch.Tensor, view: LayerView
@@ -59,8 +88,35 @@ class CriticalSelector:
         keep = keep_protected(protected, budgets)
         stage1 = torch.floor(budgets.double() * self.alpha + 1e-9).long()  # (b, h_kv)
         keep = take_top(scores, keep, view.valid, stage1 - keep.sum(-1))
+        return take_top(self.stage2_scores(scores, view), keep, view.valid, budgets - keep.sum(-1))
+
+    def stage2_scores(self, scores: torch.Tensor, view: LayerView) -> torch.Tensor:
+        """The score stage 2 ranks the remaining entries by: (b, h_kv, t) float32."""
         dtype = torch.float32 if self.norm_dtype == "float32" else None
-        norms = view.remember(
-            ("value_norm", dtype), lambda: projected_value_norm(view.values, view.o_proj_weight, dtype)
-        )  # (b, h_kv, t)
-        return take_top((scores + self.eps) * norms, keep, view.valid, budgets - keep.sum(-1))
+        if self.stage2 == "scores" and self.value_norm == "group_mean":
+            norms = view.remember(
+                ("value_norm", dtype), lambda: projected_value_norm(view.values, view.o_proj_weight, dtype)
+            )  # (b, h_kv, t)
+            return (scores + self.eps) * norms
+        attention = self._window_attention_per_head(view)  # (b, h_kv, G, t)
+        if self.value_norm == "group_mean":
+            norms = view.remember(
+                ("value_norm", dtype), lambda: projected_value_norm(view.values, view.o_proj_weight, dtype)
+            )
+            return (attention.mean(dim=2) + self.eps) * norms
+        head_norms = view.remember(
+            ("value_norm_per_head", dtype),
+            lambda: projected_value_norm(view.values, view.o_proj_weight, dtype, per_head=True),
+        )  # (b, h_kv, G, t)
+        return ((attention + self.eps) * head_norms).mean(dim=2)
+
+    def _window_attention_per_head(self, view: LayerView) -> torch.Tensor:
+        """The window's attention per query head over every position, (b, h_kv, G, t): the window's own
+        (protected) positions get each head's row maximum, as SnapKV's scores do."""
+        b, h_kv, t, _ = view.keys.shape
+        w = min(self.window, t)
+        kernel = self.kernel if self.stage2 == "scores" else 1
+        context = window_head_scores(view, w, kernel, self.aggregate)  # (b, h_kv, G, t-w)
+        g = context.shape[2]
+        top = context.amax(dim=-1, keepdim=True) if t > w else context.new_zeros(b, h_kv, g, 1)
+        return torch.cat([context, top.expand(b, h_kv, g, w)], dim=-1)

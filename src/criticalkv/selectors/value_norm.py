@@ -10,9 +10,14 @@ _CHUNK_ELEMENTS = 512 * 1024
 
 
 def projected_value_norm(
-    values: torch.Tensor, o_proj_weight: torch.Tensor, compute_dtype: torch.dtype | None = torch.float32
+    values: torch.Tensor,
+    o_proj_weight: torch.Tensor,
+    compute_dtype: torch.dtype | None = torch.float32,
+    per_head: bool = False,
 ) -> torch.Tensor:
     """||V_i W_O^g||_1 averaged over the G query heads g that share each KV head: (b, h_kv, t) float32.
+
+    With ``per_head`` the G norms are returned unaveraged: (b, h_kv, G, t) float32.
 
     Parameters
     ----------
@@ -34,11 +39,14 @@ def projected_value_norm(
     dtype = values.dtype if compute_dtype is None else compute_dtype
     w = o_proj_weight.to(dtype).view(hidden, h_kv, g, d).permute(1, 3, 2, 0).reshape(h_kv, d, g * hidden)
     chunk = max(1, _CHUNK_ELEMENTS // max(1, b * h_kv * g * hidden))
-    out = values.new_empty((b, h_kv, t), dtype=torch.float32)
+    out = values.new_empty((b, h_kv, g, t) if per_head else (b, h_kv, t), dtype=torch.float32)
     for start in range(0, t, chunk):
         v = values[:, :, start : start + chunk].to(dtype)  # (b, h_kv, c, d)
         projected = torch.matmul(v, w)  # (b, h_kv, c, G*hidden)
         # abs in place + sum is about 3x faster than linalg.vector_norm(ord=1) on CPU; the sum accumulates in float32
         norms = projected.abs_().view(b, h_kv, -1, g, hidden).sum(-1, dtype=torch.float32)  # (b, h_kv, c, G)
-        out[:, :, start : start + chunk] = norms.mean(-1)
+        if per_head:
+            out[..., start : start + chunk] = norms.transpose(-1, -2)
+        else:
+            out[:, :, start : start + chunk] = norms.mean(-1)
     return out

@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""One speed and memory run of one kvpress 0.5.5 press, for benchmarks/speed_memory.py: prints one JSON line.
+
+Runs INSIDE kvpress's virtual environment (setup_kvpress_env.sh), as its own process; it never imports criticalkv.
+It times exactly what criticalkv's side times, with the same code (benchmarks/timed_generation.py): a warm-up
+generation on the first tokens, then the prefill under the press and greedy decoding outside it, as kvpress's
+pipeline does. No recorder is installed, so kvpress runs its own code only.
+
+    $VENV/bin/python benchmarks/kvpress/speed_kvpress.py --model FOLDER --input IDS.json --press snapkv \
+        --compression-ratio 0.7998 --dtype bfloat16 --threads 1 --decode-steps 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import sys
+from importlib.metadata import version as dist_version
+from pathlib import Path
+
+from run_kvpress import PRESSES, add_model_and_press_options, build_press, load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for timed_generation
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_and_press_options(parser)
+    parser.add_argument("--input", required=True, help='JSON file {"input_ids": [[...]]}, batch 1')
+    parser.add_argument("--press", required=True, choices=PRESSES)
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--warmup-tokens", type=int, default=256, help="prompt length of the warm-up run")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    if "criticalkv" in sys.modules:
+        raise SystemExit("speed_kvpress.py must not run in criticalkv's environment")
+
+    import kvpress
+    import torch
+    import transformers
+    from timed_generation import timed_greedy
+    from transformers import DynamicCache
+
+    transformers.utils.logging.disable_progress_bar()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    ids = torch.tensor(json.loads(Path(args.input).read_text())["input_ids"], dtype=torch.long, device=device)
+    model, _, patched = load_model(args, device)
+    press = build_press(args, kvpress)
+    scope = (lambda: press(model)) if press is not None else contextlib.nullcontext
+    timed_greedy(model, ids[:, : args.warmup_tokens], DynamicCache(), 2, scope)
+    result = timed_greedy(model, ids, DynamicCache(), args.decode_steps, scope)
+    result.update(
+        system="kvpress",
+        press=args.press,
+        press_repr=repr(press),
+        compression_ratio=args.compression_ratio,
+        dtype=args.dtype,
+        threads=torch.get_num_threads(),
+        patched_config_head_dim=patched,
+        versions={
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "kvpress": dist_version("kvpress"),
+        },
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Plots and Markdown tables of benchmarks/speed_memory.py and benchmarks/quality_vs_kvpress.py reports.
+
+    python benchmarks/plot_benchmarks.py --speed results/speed_memory_smollm2.json \
+        --quality results/quality_vs_kvpress_smollm2/report.json --tag smollm2 --out-dir docs/img/benchmarks --tables
+
+Writes ``{tag}_time.png`` (time to first token and decode time per token against context length),
+``{tag}_memory.png`` (peak memory above the start of the prefill and KV bytes held, against context length),
+``{tag}_ratios.png`` (ours/kvpress per method, figure and length) and, with ``--quality``, ``{tag}_quality.png``
+(answer agreement and RULER scores). ``--tables`` prints the Markdown tables of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+MIB = 2**20
+CLOCKS = {  # --clock -> (time to first token key, decode key, label)
+    "cpu": ("ttft_cpu_seconds", "decode_cpu_ms_per_token_median", "CPU time"),
+    "wall": ("ttft_seconds", "decode_ms_per_token_median", "wall clock"),
+}
+SYSTEM_STYLE = {"ours": ("-", "o"), "kvpress": ("--", "s")}  # line, marker
+SYSTEM_NAME = {"ours": "criticalkv", "kvpress": "kvpress 0.5.5"}
+
+
+def _methods(summary: list[dict]) -> list[str]:
+    return list(dict.fromkeys(row["method"] for row in summary))
+
+
+def _series(summary: list[dict], method: str, system: str, key: str, scale: float = 1.0) -> tuple[list, list]:
+    rows = [r for r in summary if r["method"] == method and system in r and key in r[system]]
+    return [r["prompt_tokens"] for r in rows], [r[system][key] / scale for r in rows]
+
+
+def _against_length(summary: list[dict], panels: list[tuple[str, str, float]], title: str, path: Path) -> None:
+    """One panel per (key, y label, scale): every method, criticalkv solid, kvpress dashed."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2))
+    colors = dict(zip(_methods(summary), plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    for ax, (key, y_label, scale) in zip(axes, panels, strict=True):
+        for method, color in colors.items():
+            for system, (line, marker) in SYSTEM_STYLE.items():
+                x, y = _series(summary, method, system, key, scale)
+                if x:
+                    label = f"{method} ({SYSTEM_NAME[system]})"
+                    ax.plot(
+                        x,
+                        y,
+                        line,
+                        marker=marker,
+                        fillstyle="none" if system == "kvpress" else "full",
+                        color=color,
+                        label=label,
+                    )
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(y_label)
+        ax.set_xscale("log", base=2)
+        lengths = sorted({r["prompt_tokens"] for r in summary})
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_ratios(summary: list[dict], clock: str, title: str, path: Path) -> None:
+    """Grouped bars of ours/kvpress: one group per (method, length), one bar per figure."""
+    ttft, decode, _ = CLOCKS[clock]
+    figures = [(ttft, "time to first token"), (decode, "decode / token"), ("peak_rss_above_start_bytes", "peak RSS")]
+    figures.append(("kv_bytes", "KV bytes"))
+    rows = [r for r in summary if "ratio_ours_over_kvpress" in r]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows)), 4.2))
+    width = 0.8 / len(figures)
+    for i, (key, label) in enumerate(figures):
+        values = [r["ratio_ours_over_kvpress"].get(key, float("nan")) for r in rows]
+        ax.bar([j + (i - (len(figures) - 1) / 2) * width for j in range(len(rows))], values, width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(rows)), [f"{r['method']}\n{r['prompt_tokens']}" for r in rows], fontsize=7)
+    ax.set_ylabel("criticalkv / kvpress (below 1: criticalkv smaller)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_quality(report: dict, title: str, path: Path) -> None:
+    """Exact answer agreement per method, and each system's mean RULER score."""
+    methods = list(report["methods"])
+    data = report["methods"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.bar(methods, [100 * data[m]["exact_agreement"] for m in methods], color="tab:green")
+    left.axhline(95, color="black", linestyle=":", linewidth=0.8)
+    left.set_ylim(0, 105)
+    left.set_ylabel("answers identical to kvpress's (%)")
+    width = 0.38
+    right.bar([i - width / 2 for i in range(len(methods))], [data[m]["ours_mean_score"] for m in methods], width)
+    right.bar([i + width / 2 for i in range(len(methods))], [data[m]["kvpress_mean_score"] for m in methods], width)
+    right.set_xticks(range(len(methods)), methods)
+    right.legend(["criticalkv", "kvpress 0.5.5"], fontsize=8)
+    right.set_ylabel("mean RULER score")
+    for ax in (left, right):
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _cell(d: dict, key: str, fmt: str, scale: float = 1.0) -> str:
+    return format(d[key] / scale, fmt) if key in d else "–"
+
+
+def _kv_cell(d: dict) -> str:
+    if "kv_bytes" not in d:
+        return "–"
+    return f"{d['kv_bytes'] / MIB:.1f} ({100 * d.get('kv_fraction_of_full', float('nan')):.1f}%)"
+
+
+def speed_tables(summary: list[dict], clock: str) -> str:
+    """Markdown: medians of both systems and ours/kvpress, one row per (length, method); time, then memory."""
+    ttft, decode, label = CLOCKS[clock]
+    time_lines = [
+        "| prompt tokens | method | TTFT criticalkv (s) | TTFT kvpress (s) | ratio | decode criticalkv (ms/token) | "
+        "decode kvpress (ms/token) | ratio |",
+        "|" + "---|" * 8,
+    ]
+    memory_lines = [
+        "| prompt tokens | method | peak RSS criticalkv (MiB) | peak RSS kvpress (MiB) | ratio | "
+        "KV criticalkv (MiB, % of full) | KV kvpress (MiB, % of full) | ratio |",
+        "|" + "---|" * 8,
+    ]
+    rss = "peak_rss_above_start_bytes"
+    for r in summary:
+        ours, theirs, ratio = r.get("ours", {}), r.get("kvpress", {}), r.get("ratio_ours_over_kvpress", {})
+        head = f"| {r['prompt_tokens']} | {r['method']} |"
+        time_lines.append(
+            f"{head} {_cell(ours, ttft, '.2f')} | {_cell(theirs, ttft, '.2f')} | {_cell(ratio, ttft, '.3f')} | "
+            f"{_cell(ours, decode, '.1f')} | {_cell(theirs, decode, '.1f')} | {_cell(ratio, decode, '.3f')} |"
+        )
+        memory_lines.append(
+            f"{head} {_cell(ours, rss, '.0f', MIB)} | {_cell(theirs, rss, '.0f', MIB)} | {_cell(ratio, rss, '.3f')} | "
+            f"{_kv_cell(ours)} | {_kv_cell(theirs)} | {_cell(ratio, 'kv_bytes', '.3f')} |"
+        )
+    return (
+        f"Times ({label}, medians):\n\n" + "\n".join(time_lines) + "\n\nMemory (medians):\n\n" + "\n".join(memory_lines)
+    )
+
+
+def quality_tables(report: dict) -> str:
+    """Markdown: agreement and scores per method, then every disagreement."""
+    lines = [
+        "| criticalkv | kvpress | samples | identical answers | same score | mean score: criticalkv | kvpress |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for method, r in report["methods"].items():
+        lines.append(
+            f"| `{method}` | `{r['kvpress_press']}` | {r['samples']} | {100 * r['exact_agreement']:.1f}% | "
+            f"{100 * r['score_agreement']:.1f}% | {r['ours_mean_score']:.1f} | {r['kvpress_mean_score']:.1f} |"
+        )
+    lines += [
+        "",
+        "| method | sample | criticalkv answer (score) | kvpress answer (score) | kept sets |",
+        "|---|---|---|---|---|",
+    ]
+    for method, r in report["methods"].items():
+        for d in r["disagreements"]:
+            kept = d.get("kept_sets", {})
+            where = f"heads identical {kept['heads_identical']}" if kept else "–"
+            if "first_layer" in kept:
+                where += f", first differing layer {kept['first_layer']}"
+            ours, theirs = d["ours"].replace("|", "/")[:60], d["kvpress"].replace("|", "/")[:60]
+            lines.append(
+                f"| `{method}` | {d['key']} | {ours} ({d['ours_score']:.0f}) | {theirs} ({d['kvpress_score']:.0f}) | "
+                f"{where} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--speed", type=Path, help="a speed_memory.py report")
+    parser.add_argument("--quality", type=Path, help="a quality_vs_kvpress.py report.json")
+    parser.add_argument("--tag", default="smollm2", help="file name prefix, e.g. the model")
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="cpu", help="which times to draw")
+    parser.add_argument("--out-dir", type=Path, default=Path("docs/img/benchmarks"))
+    parser.add_argument("--tables", action="store_true", help="print the Markdown tables")
+    args = parser.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    if args.speed:
+        report = json.loads(args.speed.read_text())
+        summary, model = report["summary"], report["model"]
+        ttft, decode, label = CLOCKS[args.clock]
+        time_panels = [(ttft, f"time to first token (s, {label})", 1.0), (decode, f"decode (ms/token, {label})", 1.0)]
+        memory_panels = [
+            ("peak_rss_above_start_bytes", "peak RSS above start (MiB)", MIB),
+            ("kv_bytes", "KV (MiB)", MIB),
+        ]
+        if any("peak_cuda_above_start_bytes" in r.get("ours", {}) for r in summary):
+            memory_panels.append(("peak_cuda_above_start_bytes", "peak CUDA above start (MiB)", MIB))
+        budget = report["budget"]
+        written.append(args.out_dir / f"{args.tag}_time.png")
+        _against_length(summary, time_panels, f"{model}, budget {budget}: time", written[-1])
+        written.append(args.out_dir / f"{args.tag}_memory.png")
+        _against_length(summary, memory_panels, f"{model}, budget {budget}: memory", written[-1])
+        written.append(args.out_dir / f"{args.tag}_ratios.png")
+        plot_ratios(summary, args.clock, f"{model}, budget {budget}: criticalkv / kvpress", written[-1])
+        if args.tables:
+            print(speed_tables(summary, args.clock), end="\n\n")
+    if args.quality:
+        report = json.loads(args.quality.read_text())
+        written.append(args.out_dir / f"{args.tag}_quality.png")
+        title = f"{report['model']}, RULER-{report['length']}, {report['samples']} samples, budget {report['budget']}"
+        plot_quality(report, title, written[-1])
+        if args.tables:
+            print(quality_tables(report), end="\n\n")
+    for path in written:
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Timed greedy generation and memory probes, shared by criticalkv's and kvpress's benchmark processes.
+
+Imports torch and the standard library only, so the same code times both systems: it runs in criticalkv's
+environment and in kvpress's (benchmarks/kvpress/speed_kvpress.py), never with both libraries in one process.
+
+Time: wall-clock seconds and this process's CPU seconds (``time.process_time``). With one torch thread the CPU
+time is the figure to read on a machine that other jobs share: it counts only what this process computed. On a GPU
+only the wall clock means anything.
+
+Memory: peak resident set size (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``) above the RSS just before
+the prefill, and on a GPU the peak of ``torch.cuda.max_memory_allocated`` above what was allocated then. Run the
+process with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors leave the process and RSS tracks live memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def _status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (Linux), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_peak_memory(device: torch.device) -> dict[str, int]:
+    """Reset the peak marks (RSS, and CUDA on a GPU); return the current figures they are measured from."""
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    start = {"rss": _status_bytes("VmRSS")}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start["cuda"] = torch.cuda.memory_allocated(device)
+    return start
+
+
+def peak_memory_above(device: torch.device, start: dict[str, int]) -> dict[str, int]:
+    """Peak memory since ``reset_peak_memory``, above the figures it returned."""
+    peak = {"peak_rss_above_start_bytes": _status_bytes("VmHWM") - start["rss"]}
+    if device.type == "cuda":
+        peak["peak_cuda_above_start_bytes"] = torch.cuda.max_memory_allocated(device) - start["cuda"]
+    return peak
+
+
+def held_kv(cache) -> tuple[int, int]:
+    """(bytes, entries) of key/value storage a cache holds: what it allocated, masked entries included.
+
+    criticalkv's cache reports its own (kept entries, tail capacity and per-segment counts); a transformers
+    ``DynamicCache`` (kvpress's) holds its layers' ``keys``/``values`` of shape (b, h_kv, t, d).
+    """
+    if hasattr(cache, "nbytes") and hasattr(cache, "entries"):
+        return cache.nbytes(), cache.entries()
+    layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+    nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
+    entries = sum(layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2] for layer in layers)
+    return nbytes, entries
+
+
+def _cache_argument(model) -> str:
+    """The forward's (and its output's) name for the cache: ``cache`` (transformers 5.24) or ``past_key_values``
+    (transformers 5.2, kvpress's)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def timed_greedy(
+    model,
+    input_ids: torch.Tensor,
+    cache,
+    decode_steps: int,
+    prefill_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> dict:
+    """Prefill ``input_ids`` (1, t) into ``cache`` inside ``prefill_scope()``, then greedy-decode ``decode_steps``.
+
+    Decoding continues at the original positions t, t+1, ... (kvpress's pipeline does the same; criticalkv's
+    cache keeps logical positions anyway). No end-of-sequence stop: every run decodes the same number of tokens.
+
+    Returns time to first token (the prefill forward and its argmax) and each decode step's time, in wall and
+    CPU seconds, with the decode medians; KV bytes and entries held right after the prefill; peak memory above
+    the start of the prefill; and the generated ids.
+    """
+    device = input_ids.device
+    name = _cache_argument(model)
+    t = input_ids.shape[1]
+    start_memory = reset_peak_memory(device)
+    start, start_cpu = time.perf_counter(), time.process_time()
+    with prefill_scope():
+        out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{name: cache})
+    token = out.logits[:, -1].argmax(-1)  # (1,)
+    tokens = [int(token)]  # int() waits for the device
+    ttft, ttft_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    cache = getattr(out, name)  # criticalkv swaps in its own cache at the prefill
+    kv_bytes, kv_entries = held_kv(cache)
+    steps, steps_cpu = [], []
+    for i in range(decode_steps):
+        tick, tick_cpu = time.perf_counter(), time.process_time()
+        position = torch.tensor([[t + i]], device=device)
+        out = model(input_ids=token[:, None], position_ids=position, use_cache=True, **{name: cache})
+        token = out.logits[:, -1].argmax(-1)
+        tokens.append(int(token))
+        _sync(device)
+        steps.append(time.perf_counter() - tick)
+        steps_cpu.append(time.process_time() - tick_cpu)
+    return {
+        "prompt_tokens": t,
+        "ttft_seconds": ttft,
+        "ttft_cpu_seconds": ttft_cpu,
+        "decode_seconds": steps,
+        "decode_cpu_seconds": steps_cpu,
+        "decode_ms_per_token_median": 1000 * statistics.median(steps) if steps else float("nan"),
+        "decode_cpu_ms_per_token_median": 1000 * statistics.median(steps_cpu) if steps_cpu else float("nan"),
+        "kv_bytes": kv_bytes,
+        "kv_entries": kv_entries,
+        **peak_memory_above(device, start_memory),
+        "generated": tokens,
+    }

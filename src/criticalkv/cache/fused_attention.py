@@ -1,0 +1,262 @@
+"""Attention over all segments of a compressed layer in one kernel call, and the rule that picks a path.
+
+A compressed layer holds, per (row, KV head) segment, its own number of kept context entries (flat, back to
+back) and a dense tail shared in length by every segment. Three paths compute the same attention:
+
+* ``flash``: flash-attn's ``flash_attn_varlen_func``. Each segment is one variable-length sequence of its kept
+  context followed by its tail, with one KV head and the G query heads of its group (flash-attn's own GQA), so
+  keys are never repeated. ``cu_seqlens_k`` is ``CompressedLayer.offsets()`` shifted by the tail; flash-attn's
+  bottom-right causal mask is exactly "every query reads the whole context and the tail up to itself".
+* ``padded``: each segment's context gathered into a (b, h_kv, max_len + tail, d) tensor with a boolean mask,
+  the G query heads folded into the query axis, one ``scaled_dot_product_attention`` call. Any device, any
+  dtype, any tail mask (padded questions included).
+* ``segments``: ``attention.segment_attention``, one SDPA call per segment; no padding at all.
+
+``choose_path`` decides, in this order:
+
+1. ``$CRITICALKV_ATTENTION`` (``auto``, ``flash``, ``padded``, ``segments``) forces a path; a forced ``flash``
+   that cannot run raises ``CriticalKVError`` with the reason, never falls back.
+2. ``flash`` when the query is on CUDA in float16/bfloat16, ``flash_attn`` imports, the head size is one
+   flash-attn supports, and the tail mask is plain causal (no padded tail entries).
+3. ``padded`` when its padded keys hold at most ``PADDING_FACTOR`` times the entries the layer stores, i.e.
+   ``segments * (max_len + tail) <= PADDING_FACTOR * (kept + segments * tail)`` (the padding waste is
+   ``segments * max_len - kept`` entries), and, on CPU, the padded keys take at most ``CPU_PADDED_MAX_BYTES``.
+4. ``segments`` otherwise: budgets so uneven that padding would waste more than the factor allows, or, on CPU,
+   a layer so large that the per-segment loop is faster.
+
+Why the CPU size limit: the per-segment loop copies each segment and attends over it while it is still in the
+processor's cache; the padded path writes all segments (padding included) and reads them back. Measured on
+2 x86 cores (one thread, bfloat16, d = 64, decoding one token), the padded path is 1.3-7x faster up to about
+4 MiB of padded keys (32k entries at d = 64 in bfloat16) and up to 2.5x slower beyond.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from criticalkv.cache.compressed_layer import CompressedLayer
+from criticalkv.errors import CriticalKVError
+
+__all__ = [
+    "ATTENTION_ENV_VAR",
+    "CPU_PADDED_MAX_BYTES",
+    "PADDING_FACTOR",
+    "PATHS",
+    "choose_path",
+    "flash_reasons",
+    "flash_varlen_attention",
+    "padded_attention",
+]
+
+ATTENTION_ENV_VAR = "CRITICALKV_ATTENTION"
+PATHS = ("auto", "flash", "padded", "segments")
+#: The padded path runs when its padded key tensor holds at most this many times the layer's stored entries.
+PADDING_FACTOR = 4.0
+#: On CPU, the padded path runs when its padded key tensor takes at most this many bytes (module docstring).
+CPU_PADDED_MAX_BYTES = 4 * 2**20
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_FLASH_MAX_HEAD_DIM = 256
+
+VarlenKernel = Callable[..., torch.Tensor]
+
+
+# --- the padded path --------------------------------------------------------------------------------------------
+
+
+def padded_segments(
+    layer: CompressedLayer, tail_keys: torch.Tensor, tail_values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each segment's kept context, padded to the longest, then its tail: keys, values (b, h_kv, max_len + tail,
+    d) and which context slots are real, (b, h_kv, max_len) bool. Padded slots hold a finite stored entry.
+
+    One ``index_select`` per tensor from the flat context followed by the flat tail (the cheapest gather on CPU).
+    """
+    b, h_kv, tail, d = tail_keys.shape
+    lengths = layer.lengths  # (b, h_kv)
+    kept = layer.context_keys.shape[0]
+    width = int(lengths.max()) if lengths.numel() else 0
+    position = torch.arange(width, device=lengths.device)
+    valid = position < lengths[..., None]  # (b, h_kv, max_len)
+    starts = layer.offsets()[:-1].view_as(lengths)
+    context_rows = torch.where(valid, starts[..., None] + position, 0)  # (b, h_kv, max_len) into the context
+    tail_rows = kept + tail * torch.arange(b * h_kv, device=lengths.device).view(b, h_kv, 1)
+    tail_rows = tail_rows + torch.arange(tail, device=lengths.device)  # (b, h_kv, tail) into the flat tail
+    rows = torch.cat([context_rows, tail_rows], dim=-1).flatten()
+    out = []
+    for context, appended in ((layer.context_keys, tail_keys), (layer.context_values, tail_values)):
+        source = torch.cat([context, appended.reshape(b * h_kv * tail, d)])  # (kept + segments * tail, d)
+        out.append(source.index_select(0, rows).view(b, h_kv, width + tail, d))
+    return out[0], out[1], valid
+
+
+def padded_attention(
+    query: torch.Tensor,
+    layer: CompressedLayer,
+    tail_keys: torch.Tensor,
+    tail_values: torch.Tensor,
+    tail_mask: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """All segments in one SDPA call over padded segments; same contract as ``segment_attention``.
+
+    query (b, h_q, q, d); tail_keys, tail_values (b, h_kv, tail, d); tail_mask (b, 1, q, tail) bool.
+    Returns (b, q, h_q, d). Transient memory: one copy of the stored entries (context and tail), the padded keys
+    and values of (b * h_kv) x (max_len + tail) entries, and a (b, h_kv, G * q, max_len + tail) bool mask.
+    """
+    b, h_q, q, d = query.shape
+    h_kv = layer.lengths.shape[1]
+    g = h_q // h_kv
+    tail = tail_keys.shape[2]
+    keys, values, valid = padded_segments(layer, tail_keys, tail_values)  # (b, h_kv, max_len + tail, d)
+    width = valid.shape[-1]
+    folded_tail = tail_mask[:, :, None].expand(b, 1, g, q, tail).reshape(b, 1, g * q, tail)
+    mask = torch.cat(
+        [valid[:, :, None].expand(b, h_kv, g * q, width), folded_tail.expand(b, h_kv, g * q, tail)], dim=-1
+    )  # (b, h_kv, G*q, max_len + tail)
+    folded = query.reshape(b, h_kv, g * q, d)  # query heads of a KV head are adjacent
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
+    return out.view(b, h_q, q, d).transpose(1, 2)
+
+
+def padding_fits(layer: CompressedLayer, tail: int) -> bool:
+    """Whether the padded path may run on this layer (rule 3 of the module docstring): its padded keys hold at
+    most ``PADDING_FACTOR`` x the entries the layer stores and, on CPU, at most ``CPU_PADDED_MAX_BYTES``."""
+    segments = layer.lengths.numel()
+    width = int(layer.lengths.max()) if segments else 0
+    padded = segments * (width + tail)
+    stored = layer.context_keys.shape[0] + segments * tail
+    if padded > PADDING_FACTOR * max(stored, 1):
+        return False
+    keys = layer.context_keys
+    return keys.is_cuda or padded * keys.shape[-1] * keys.element_size() <= CPU_PADDED_MAX_BYTES
+
+
+# --- the flash-attn path ----------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _flash_kernel() -> tuple[VarlenKernel | None, str]:
+    """flash-attn's ``flash_attn_varlen_func``, or None and why it cannot be imported (looked up once)."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError as error:  # not installed, or installed without a usable CUDA build
+        return None, f"flash_attn cannot be imported ({error})"
+    return flash_attn_varlen_func, ""
+
+
+def is_plain_causal(tail_mask: torch.Tensor) -> bool:
+    """Whether a (b, 1, q, tail) mask is flash-attn's bottom-right causal mask (query i reads tail <= tail - q + i)."""
+    q, tail = tail_mask.shape[-2:]
+    causal = torch.ones(q, tail, dtype=torch.bool, device=tail_mask.device).tril(diagonal=tail - q)
+    return bool(torch.equal(tail_mask, causal.expand_as(tail_mask)))
+
+
+def flash_reasons(query: torch.Tensor, tail_mask: torch.Tensor) -> list[str]:
+    """Why the flash path cannot run on these inputs (empty: it can)."""
+    reasons = []
+    if not query.is_cuda:
+        reasons.append(f"the query is on {query.device.type}, flash-attn needs CUDA")
+    if query.dtype not in _FLASH_DTYPES:
+        reasons.append(f"dtype {query.dtype} (flash-attn takes float16 or bfloat16)")
+    d = query.shape[-1]
+    if d > _FLASH_MAX_HEAD_DIM or d % 8:
+        reasons.append(f"head size {d} (flash-attn takes multiples of 8 up to {_FLASH_MAX_HEAD_DIM})")
+    if not reasons:  # checked last: importing flash_attn and comparing the mask cost more
+        kernel, why = _flash_kernel()
+        if kernel is None:
+            reasons.append(why)
+        elif not is_plain_causal(tail_mask):
+            reasons.append("the tail mask is not plain causal (padded tail entries)")
+    return reasons
+
+
+def varlen_inputs(
+    layer: CompressedLayer, tail_keys: torch.Tensor, tail_values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Keys and values of every segment, its context then its tail, back to back: (total, 1, d) each, with
+    ``cu_seqlens_k`` (segments + 1,) int32 and the longest segment. total = kept + segments * tail."""
+    b, h_kv, tail, d = tail_keys.shape
+    segments = b * h_kv
+    counts = layer.lengths.flatten()  # (S,)
+    kept = layer.context_keys.shape[0]
+    cu_seqlens = layer.offsets() + tail * torch.arange(segments + 1, device=counts.device)  # (S + 1,)
+    segment_of_row = torch.repeat_interleave(torch.arange(segments, device=counts.device), counts, output_size=kept)
+    context_rows = torch.arange(kept, device=counts.device) + tail * segment_of_row  # (N,)
+    tail_rows = (cu_seqlens[:-1] + counts)[:, None] + torch.arange(tail, device=counts.device)  # (S, tail)
+    packed = []
+    for context, appended in ((layer.context_keys, tail_keys), (layer.context_values, tail_values)):
+        out = context.new_empty(kept + segments * tail, d)
+        out.index_copy_(0, context_rows, context)
+        out.index_copy_(0, tail_rows.flatten(), appended.reshape(segments * tail, d))
+        packed.append(out[:, None])  # (total, 1, d)
+    longest = int(counts.max()) + tail if segments else tail
+    return packed[0], packed[1], cu_seqlens.to(torch.int32), longest
+
+
+def flash_varlen_attention(
+    query: torch.Tensor,
+    layer: CompressedLayer,
+    tail_keys: torch.Tensor,
+    tail_values: torch.Tensor,
+    scaling: float,
+    kernel: VarlenKernel | None = None,
+) -> torch.Tensor:
+    """All segments in one flash-attn varlen call; the tail is read causally (``is_plain_causal`` must hold).
+
+    query (b, h_q, q, d); tail_keys, tail_values (b, h_kv, tail, d). Returns (b, q, h_q, d). Segment s =
+    row * h_kv + head is sequence s with its G query heads; ``kernel`` defaults to ``flash_attn_varlen_func``
+    (any function of its signature and contract, e.g. a reference implementation in tests).
+    """
+    if kernel is None:
+        kernel, why = _flash_kernel()
+        if kernel is None:
+            raise CriticalKVError(why)
+    b, h_q, q, d = query.shape
+    h_kv = layer.lengths.shape[1]
+    g = h_q // h_kv
+    segments = b * h_kv
+    keys, values, cu_seqlens_k, longest = varlen_inputs(layer, tail_keys, tail_values)
+    packed_query = query.reshape(b, h_kv, g, q, d).permute(0, 1, 3, 2, 4).reshape(segments * q, g, d)
+    cu_seqlens_q = torch.arange(segments + 1, device=query.device, dtype=torch.int32) * q
+    out = kernel(
+        packed_query, keys, values, cu_seqlens_q, cu_seqlens_k, q, longest, softmax_scale=scaling, causal=True
+    )  # (S * q, G, d)
+    return out.view(b, h_kv, q, g, d).permute(0, 2, 1, 3, 4).reshape(b, q, h_q, d)
+
+
+# --- the choice -------------------------------------------------------------------------------------------------
+
+
+def requested_path() -> str:
+    """The path ``$CRITICALKV_ATTENTION`` asks for (``auto`` when unset)."""
+    path = os.environ.get(ATTENTION_ENV_VAR, "auto").strip().lower() or "auto"
+    if path not in PATHS:
+        raise CriticalKVError(f"{ATTENTION_ENV_VAR}={path!r}: choose one of {', '.join(PATHS)}")
+    return path
+
+
+def choose_path(
+    query: torch.Tensor, layer: CompressedLayer, tail_mask: torch.Tensor, tail: int, path: str | None = None
+) -> str:
+    """The attention path for a compressed layer: ``flash``, ``padded`` or ``segments`` (module docstring).
+
+    ``path`` overrides ``$CRITICALKV_ATTENTION``. A forced ``flash`` that cannot run raises ``CriticalKVError``.
+    """
+    path = requested_path() if path is None else path
+    if path not in PATHS:
+        raise CriticalKVError(f"attention path {path!r}: choose one of {', '.join(PATHS)}")
+    if path == "flash":
+        reasons = flash_reasons(query, tail_mask)
+        if reasons:
+            raise CriticalKVError(f"the flash attention path cannot run: {'; '.join(reasons)}")
+        return path
+    if path != "auto":
+        return path
+    if not flash_reasons(query, tail_mask):
+        return "flash"
+    return "padded" if padding_fits(layer, tail) else "segments"

@@ -1,0 +1,330 @@
+"""Context reconstruction (KVzip, Kim et al., 2025): after the prefill, ask the model to repeat the context and
+score each cached entry by the largest attention it receives from the repeating queries. The score does not
+depend on any question, so a context compressed this way serves whatever is asked later.
+
+The runtime keeps every layer dense through the prefill (``after_prefill``), then ``score_after_prefill`` feeds
+the repeat prompt and the context back in chunks over the same cache, with the attention function in collection
+mode (``Compressor.attention_probe``): each layer computes its own output as usual, and the probe takes the
+float32 softmax of the reconstruction queries over the whole cache and keeps, per entry, the maximum. After each
+chunk the cache is trimmed back to the prefill, so no reconstruction token stays.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.cache_utils import DummyLayer
+
+from criticalkv.cache.compressed_layer import CompressedLayer, as_bool_mask
+from criticalkv.errors import CriticalKVError, UnsupportedModelError
+from criticalkv.scorers.base import LayerView
+
+if TYPE_CHECKING:
+    from criticalkv.runtime.compressor import PrefillContext
+
+FIRST_REQUEST = "\n\nRepeat the previous context exactly."  # KVzip's prompt before the first chunk
+NEXT_REQUEST = "\n\nRepeat the part of the previous context exactly, starting with"  # before each later chunk
+QUOTED_TOKENS = 8  # last tokens of the previous chunk quoted after NEXT_REQUEST
+_MARKER = "<criticalkv-context>"  # rendered as the user message to split a chat template around it
+_PROBE_ELEMENTS = 1 << 20  # float32 logits per probe block (4 MiB: cache-sized blocks are ~20% faster on CPUs)
+
+
+@dataclass(frozen=True)
+class RepeatPrompt:
+    """Token ids that frame a reconstruction, from the model's tokenizer and chat template.
+
+    A chunk's reconstruction input is ``request + turn_end + chunk``; ``template_start`` is what the chat
+    template writes before a user message (system prompt, user header): a prefill that starts with it is a
+    templated prompt whose context begins right after.
+    """
+
+    template_start: tuple[int, ...]  # empty without a chat template
+    first_request: tuple[int, ...]
+    next_request: tuple[int, ...]
+    turn_end: tuple[int, ...]  # end of the user turn and start of the assistant's ("\n" without a template)
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: PreTrainedTokenizerBase) -> RepeatPrompt:
+        def ids(text: str) -> tuple[int, ...]:
+            return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+        if getattr(tokenizer, "chat_template", None):
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": _MARKER}],
+                tokenize=False,
+                add_generation_prompt=True,
+                enable_thinking=False,
+            )
+            if not isinstance(rendered, str) or rendered.count(_MARKER) != 1:
+                raise CriticalKVError("the chat template altered its user message; cannot build the repeat prompt")
+            start, end = rendered.split(_MARKER)
+        else:
+            start, end = "", "\n"
+        return cls(ids(start), ids(FIRST_REQUEST), ids(NEXT_REQUEST), ids(end))
+
+
+@dataclass
+class ReconstructionInputs:
+    """The chunks of one batch's reconstruction and what the prefill keeps regardless."""
+
+    chunks: list[tuple[torch.Tensor, torch.Tensor]]  # per chunk: ids (b, q), mask (b, q); right padding
+    protected: torch.Tensor  # (b, t) bool: the template start (at least the first ``sinks`` tokens) of each row
+
+
+def reconstruction_inputs(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt: RepeatPrompt,
+    chunk_size: int,
+    sinks: int,
+) -> ReconstructionInputs:
+    """Split each row's context into chunks and frame each chunk as a request to repeat it.
+
+    input_ids, attention_mask (b, t), left padding. A row's context is its real tokens after the template
+    start (when the row begins with it). Chunk ``i`` of a row is its context tokens ``[i C, (i+1) C)``; rows with
+    fewer chunks get an all-padding input at the chunk indices they lack. Inputs are right-padded, so the
+    reconstruction tokens of every row start right after its prefill and keep the positions a batch of one
+    would give them.
+    """
+    b, t = input_ids.shape
+    rows: list[list[list[int]]] = []  # rows[r][i]: the reconstruction input of chunk i of row r
+    protected = torch.zeros(b, t, dtype=torch.bool, device=input_ids.device)
+    for r in range(b):
+        real = input_ids[r][attention_mask[r].bool()].tolist()
+        start = _common_prefix(real, prompt.template_start)
+        protected[r, t - len(real) : t - len(real) + max(start, min(sinks, len(real)))] = True
+        context = real[start:]
+        pieces = [context[i : i + chunk_size] for i in range(0, len(context), chunk_size)]
+        rows.append([_request(prompt, pieces, i) + list(prompt.turn_end) + piece for i, piece in enumerate(pieces)])
+    chunks = []
+    for i in range(max((len(r) for r in rows), default=0)):
+        seqs = [r[i] if i < len(r) else [] for r in rows]
+        q = max(len(s) for s in seqs)
+        ids = torch.zeros(b, q, dtype=input_ids.dtype, device=input_ids.device)
+        mask = torch.zeros(b, q, dtype=attention_mask.dtype, device=input_ids.device)
+        for r, seq in enumerate(seqs):
+            ids[r, : len(seq)] = torch.tensor(seq, dtype=input_ids.dtype)
+            mask[r, : len(seq)] = 1
+        chunks.append((ids, mask))
+    return ReconstructionInputs(chunks, protected)
+
+
+def _request(prompt: RepeatPrompt, pieces: list[list[int]], i: int) -> list[int]:
+    """The request before chunk ``i``: the first asks for the context, later ones quote the previous chunk's end."""
+    if i == 0:
+        return list(prompt.first_request)
+    return list(prompt.next_request) + pieces[i - 1][-QUOTED_TOKENS:]
+
+
+def _common_prefix(a: list[int], b: tuple[int, ...]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@dataclass
+class MaxAttentionProbe:
+    """Collection mode of the attention function: the maximum attention each prefill entry receives from the
+    (subsampled) reconstruction queries, per layer and query head.
+
+    ``maxima[layer_idx]`` is (b, h_kv, G, t) float32: for KV head h, query head g of its group and prefill entry
+    i, the largest softmax weight any scored reconstruction query of that head gave to i, the softmax taken over
+    the whole cache (prefill and reconstruction tokens, under the layer's mask) with the layer's own scaling.
+    """
+
+    context_length: int  # t: the prefill's entries, the first t keys of every dense layer
+    query_stride: int
+    query_valid: torch.Tensor | None = None  # (b, q) bool: real reconstruction tokens of the current chunk
+    maxima: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @torch.no_grad()
+    def __call__(
+        self, module: nn.Module, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scaling: float
+    ) -> None:
+        """query (b, h_q, q, d) post-RoPE; keys (b, h_kv, n, d), the layer's prefill then the chunk (n = t + q);
+        mask (b, 1, q, n) as the model's attention receives it (bool, additive float, or None for causal)."""
+        b, h_q, q, d = query.shape
+        h_kv, n = keys.shape[1], keys.shape[2]
+        g, t = h_q // h_kv, self.context_length
+        rows = torch.arange(0, q, self.query_stride, device=query.device)  # scored reconstruction queries
+        if mask is None:  # causal over the chunk, everything before visible
+            allowed = torch.arange(n, device=query.device)[None, :] <= (n - q + rows)[:, None]  # (q_s, n)
+            allowed = allowed[None].expand(b, -1, -1)
+        else:
+            allowed = as_bool_mask(mask)[:, 0, rows, :n]  # (b, q_s, n)
+        hidden = ~allowed  # (b, q_s, n)
+        first = 0 if bool(hidden[..., :t].any()) else t  # without prefill padding only the chunk's columns hide
+        unscored = ~self.query_valid[:, rows]  # (b, q_s): padding queries cast no vote
+        keys_t = keys.float().transpose(-1, -2)  # (b, h_kv, d, n)
+        best = self.maxima.get(module.layer_idx)
+        if best is None:
+            best = query.new_zeros((b, h_kv, g, t), dtype=torch.float32)
+        step = max(1, _PROBE_ELEMENTS // (b * h_q * n))
+        for s in range(0, len(rows), step):
+            m = len(rows[s : s + step])
+            picked = query[:, :, s * self.query_stride : (s + m) * self.query_stride : self.query_stride]
+            q_block = (picked.float() * scaling).reshape(b, h_kv, g * m, d)  # query head = kv head * G + g
+            logits = torch.matmul(q_block, keys_t).view(b, h_kv, g, m, n)
+            logits[..., first:].masked_fill_(hidden[:, None, None, s : s + m, first:], float("-inf"))
+            weights = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # unnormalised softmax, in place
+            inverse = weights.sum(dim=-1, keepdim=True).reciprocal_()  # (b, h_kv, G, m, 1)
+            inverse.masked_fill_(unscored[:, None, None, s : s + m, None], 0.0)  # padding queries cast no vote
+            best = torch.maximum(best, weights[..., :t].mul_(inverse).amax(dim=3))  # (b, h_kv, G, t)
+        self.maxima[module.layer_idx] = best
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_at(source: str) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise CriticalKVError(
+            f"the reconstruction scorer builds its repeat prompt with the model's tokenizer, and none loads from "
+            f"{source!r} ({error}); pass tokenizer=<folder or tokenizer object>"
+        ) from None
+
+
+@dataclass(repr=False)
+class ReconstructionScorer:
+    """Question-agnostic scores from context reconstruction (KVzip).
+
+    After the prefill, each chunk of ``chunk_size`` context tokens is fed back as the answer to "Repeat the
+    previous context exactly." (later chunks: "Repeat the part of the previous context exactly, starting with"
+    and the last 8 tokens of the previous chunk), framed by the model's chat template. An entry's score is the
+    largest attention it receives from any reconstruction query of a query head (softmax over the whole cache,
+    float32), averaged over the GQA group as the other scorers do. The template's start (system prompt, user
+    header) and at least the first ``sinks`` tokens are protected (kept, counted in the budget).
+
+    Parameters
+    ----------
+    chunk_size
+        Context tokens per reconstruction pass (KVzip and kvpress: 2048). Bounds the extra memory: one pass
+        appends about this many tokens to the cache and is trimmed off before the next.
+    query_stride
+        Score from every ``query_stride``-th reconstruction query only (1: all). The passes still run every
+        token (the model needs them); the stride saves the probe's attention recomputation.
+    sinks
+        First tokens of each row always kept (kvpress's ``n_sink``), also when no chat template is found.
+    tokenizer
+        The model's tokenizer, or a folder or hub id to load it from; None loads it from the model's
+        ``name_or_path`` (what ``criticalkv.models.load_model`` gives). Needed to write the repeat prompt.
+    """
+
+    chunk_size: int = 2048
+    query_stride: int = 1
+    sinks: int = 4
+    tokenizer: str | PreTrainedTokenizerBase | None = None
+    after_prefill: ClassVar[bool] = True  # scores come from forward passes over the finished prefill
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.query_stride < 1:
+            raise ValueError(f"query_stride must be >= 1, got {self.query_stride}")
+        if self.sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+
+    def __repr__(self) -> str:  # the memo key of shared reconstruction passes: every option that changes scores
+        tokenizer = self.tokenizer
+        if tokenizer is not None and not isinstance(tokenizer, str):
+            tokenizer = f"<{type(tokenizer).__name__} at {id(tokenizer):#x}>"
+        return (
+            f"ReconstructionScorer(chunk_size={self.chunk_size}, query_stride={self.query_stride}, "
+            f"sinks={self.sinks}, tokenizer={tokenizer!r})"
+        )
+
+    # --- the scorer contract -------------------------------------------------------------------------------
+    def score(self, view: LayerView) -> torch.Tensor:
+        raise CriticalKVError(
+            "reconstruction scores come from passes over the finished prefill (score_after_prefill); "
+            "use this scorer through a Method, which defers its decisions to the end of the prefill"
+        )
+
+    def protected(self, view: LayerView) -> torch.Tensor:
+        protected = view.memo.get(("protected", repr(self)))
+        if protected is None:
+            raise CriticalKVError("the protected positions of a reconstruction are known after its passes only")
+        return protected
+
+    def score_after_prefill(self, context: PrefillContext) -> list[torch.Tensor]:
+        """(b, h_kv, t) float32 scores per pending layer, in layer order. Several methods with an equal scorer
+        on one prefill (a ``SharedPrefill`` sweep) share one set of passes through the layers' memo."""
+        if not context.pending:
+            return []
+        first = context.pending[0].view
+        scores, protected = first.remember(("reconstruction", repr(self)), lambda: self._reconstruct(context))
+        for item in context.pending:
+            item.view.memo[("protected", repr(self))] = protected
+        return scores
+
+    # --- the passes ------------------------------------------------------------------------------------------
+    def _resolve_tokenizer(self, model: nn.Module) -> PreTrainedTokenizerBase:
+        if isinstance(self.tokenizer, PreTrainedTokenizerBase):
+            return self.tokenizer
+        source = self.tokenizer or getattr(model, "name_or_path", "")
+        if not source:
+            raise CriticalKVError(
+                "the reconstruction scorer needs the model's tokenizer to write its repeat prompt, and this model "
+                "has no name_or_path to load it from; pass tokenizer=<folder or tokenizer object>"
+            )
+        return _tokenizer_at(str(source))
+
+    @torch.no_grad()
+    def _reconstruct(self, context: PrefillContext) -> tuple[list[torch.Tensor], torch.Tensor]:
+        cache, ids = context.cache, context.input_ids
+        if ids is None:
+            raise CriticalKVError("reconstruction scoring needs the prefill's token ids (input_ids, not embeddings)")
+        if not all(isinstance(layer, CompressedLayer | DummyLayer) for layer in cache.layers):  # Dummy: another stage's
+            raise UnsupportedModelError(
+                "reconstruction scoring does not support models with sliding-window layers yet: their caches "
+                "cannot be rewound after the reconstruction passes"
+            )
+        t = ids.shape[1]
+        mask = torch.ones_like(ids) if context.attention_mask is None else context.attention_mask
+        prompt = RepeatPrompt.from_tokenizer(self._resolve_tokenizer(context.model))
+        inputs = reconstruction_inputs(ids, mask, prompt, self.chunk_size, self.sinks)
+        probe = MaxAttentionProbe(t, self.query_stride)
+        context.compressor.attention_probe = probe
+        try:
+            for chunk_ids, chunk_mask in inputs.chunks:
+                probe.query_valid = chunk_mask.bool()
+                full_mask = torch.cat([mask, chunk_mask], dim=1)  # (b, t + q)
+                positions = (full_mask.long().cumsum(-1) - 1).clamp(min=0)[:, t:]
+                try:
+                    context.model(
+                        input_ids=chunk_ids,
+                        attention_mask=full_mask,
+                        position_ids=positions,
+                        cache=cache,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
+                finally:  # the chunk's tokens leave every layer, also when the pass failed midway
+                    for layer in cache.layers:
+                        if isinstance(layer, CompressedLayer) and layer.seen > t:
+                            layer.crop(t - layer.seen)
+        finally:
+            context.compressor.attention_probe = None
+        scores = []
+        for item in context.pending:
+            view = item.view
+            b, h_kv = view.keys.shape[:2]
+            best = probe.maxima.get(view.module.layer_idx)
+            layer_scores = (
+                best.mean(dim=2) if best is not None else view.keys.new_zeros((b, h_kv, t), dtype=torch.float32)
+            )
+            scores.append(_with_protected_at_top(layer_scores, inputs.protected, view.valid))
+        return scores, inputs.protected
+
+
+def _with_protected_at_top(scores: torch.Tensor, protected: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Protected positions get their head's highest other score, so scores stay readable (as SnapKV's window)."""
+    others = scores.masked_fill(~(valid & ~protected)[:, None, :], 0.0)  # (b, h_kv, t)
+    top = others.amax(dim=-1, keepdim=True).expand_as(scores)
+    return torch.where(protected[:, None, :], top, scores)

@@ -1,0 +1,307 @@
+"""A selector whose objective is the output perturbation itself, measured on the observation window's queries.
+
+CriticalKV minimises an upper bound of the perturbation (method.md section 2). ``PerturbationSelector`` starts from
+a kept set (top-k, or CriticalKV's) and improves it by swaps judged on the perturbation they cause, per KV head:
+
+    L(S) = sum_{g in group} sum_{q in window} || (o_gq - ô_gq(S)) W_O^g ||_1
+    o_gq = sum_i A_gqi V_i                  (every entry; A: softmax attention of window query q, query head g)
+    ô_gq = sum_{i in S} A_gqi V_i / sigma_gq,   sigma_gq = sum_{i in S} A_gqi   (renormalised on the kept set S)
+
+The window queries are the last ``window`` prompt tokens (SnapKV's observation window), reading the context causally.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from criticalkv.scorers.base import LayerView
+from criticalkv.scorers.snapkv import shared_window_attention
+from criticalkv.selectors.base import keep_protected, take_top
+from criticalkv.selectors.critical import CriticalSelector
+from criticalkv.selectors.topk import TopKSelector
+
+STARTS = ("topk", "critical")
+# An accepted swap must lower L by this fraction of L: float32 noise never counts as progress.
+_MIN_RELATIVE_GAIN = 1e-6
+
+
+class WindowPerturbation:
+    """The objective L(S) of every (batch row, KV head) for the window queries of one layer, float32.
+
+    A kept set enters through its *kept sums* ``(b, h_kv, G, ..., w, d + 1)``: ``sum_{i in S} A_gqi [V_i, 1]``, the
+    unnormalised kept output and, last, the kept attention mass sigma_gq. ``...`` stands for any extra dimensions
+    (several candidate sets at once).
+
+    Parameters
+    ----------
+    attention
+        (b, h_kv, G, w, t) softmax attention of the window queries over every entry (zero rows for padding queries).
+    values
+        (b, h_kv, t, d) value states.
+    w_heads
+        (h_kv, G, d, hidden): query head ``k * G + g``'s slice of o_proj, ``o_proj.weight[:, h*d:(h+1)*d].T``.
+    """
+
+    def __init__(self, attention: torch.Tensor, values: torch.Tensor, w_heads: torch.Tensor) -> None:
+        self.attention = attention.float()  # (b, h_kv, G, w, t)
+        values = values.float()
+        self.values_and_one = torch.cat([values, values.new_ones((*values.shape[:-1], 1))], -1)  # (b, h_kv, t, d+1)
+        self.w_heads = w_heads.float()  # (h_kv, G, d, hidden)
+        self.full = self.project(_weighted_sums(self.attention, values))  # o W: (b, h_kv, G, w, hidden)
+
+    @classmethod
+    def of_view(cls, view: LayerView, window: int) -> WindowPerturbation:
+        """The objective of a layer's prefill: its last ``window`` queries (fewer if the prompt is shorter)."""
+        _, h_kv, t, d = view.keys.shape
+        w = min(window, t)
+        attention = shared_window_attention(view, w)  # (b, h_kv, G, w, t); NaN rows for padding queries
+        query_valid = view.valid[:, t - w :]  # (b, w)
+        attention = attention.masked_fill(~query_valid[:, None, None, :, None], 0.0)
+        hidden = view.o_proj_weight.shape[0]
+        w_heads = view.o_proj_weight.detach().float().t().reshape(h_kv, view.groups, d, hidden)
+        return cls(attention, view.values, w_heads)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x W_O^g for x (b, h_kv, G, ..., d): (b, h_kv, G, ..., hidden), one batched matmul per (row, KV head)."""
+        b, h_kv, g = x.shape[:3]
+        out = torch.matmul(x.reshape(b, h_kv, g, -1, x.shape[-1]), self.w_heads)  # (b, h_kv, G, n, hidden)
+        return out.view(*x.shape[:-1], -1)
+
+    def kept_sums(self, keep: torch.Tensor) -> torch.Tensor:
+        """The kept sums of a keep mask (b, h_kv, t) bool: (b, h_kv, G, w, d + 1)."""
+        return _weighted_sums(self.attention, self.values_and_one * keep[..., None])
+
+    def compressed(self, sums: torch.Tensor) -> torch.Tensor:
+        """ô W from kept sums (b, h_kv, G, ..., w, d + 1): (b, h_kv, G, ..., w, hidden); 0 where sigma = 0."""
+        return self.project(sums[..., :-1] / sums[..., -1:].clamp_min(torch.finfo(torch.float32).tiny))
+
+    def _full_like(self, x: torch.Tensor) -> torch.Tensor:
+        """o W broadcastable against x (b, h_kv, G, ..., w, hidden)."""
+        b, h_kv, g, w, hidden = self.full.shape
+        return self.full.view(b, h_kv, g, *(1,) * (x.dim() - 5), w, hidden)
+
+    def distance(self, compressed: torch.Tensor) -> torch.Tensor:
+        """L from ô W (b, h_kv, G, ..., w, hidden): (b, h_kv, ...)."""
+        return (compressed - self._full_like(compressed)).abs_().sum(dim=(-1, -2)).sum(dim=2)
+
+    def loss_of(self, sums: torch.Tensor) -> torch.Tensor:
+        """L for kept sums (b, h_kv, G, ..., w, d + 1): (b, h_kv, ...)."""
+        return self.distance(self.compressed(sums))
+
+    def loss(self, keep: torch.Tensor) -> torch.Tensor:
+        """L(S) for a keep mask (b, h_kv, t) bool: (b, h_kv)."""
+        return self.loss_of(self.kept_sums(keep))
+
+    def gain(
+        self,
+        sums: torch.Tensor,
+        attention: torch.Tensor,
+        values_and_one: torch.Tensor,
+        compressed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """First-order decrease of L when an entry joins S (for one in S: the increase when it leaves): (b, h_kv, n).
+
+        ``sums`` (b, h_kv, G, w, d + 1) are the current set's; ``attention`` (b, h_kv, G, w, n) and
+        ``values_and_one`` (b, h_kv, n, d + 1) are the entries' columns of ``self.attention`` and
+        ``self.values_and_one``. Adding i moves ô_gq by (A_gqi / sigma_gq)(V_i - ô_gq) to first order, so L drops by
+        about sum_gq (A_gqi / sigma_gq) s_gq . (V_i - ô_gq) W_O^g with s = sign((o - ô) W): one (n x Gw x (d + 1))
+        matmul. Reliable while no sign of (o - ô) W flips, i.e. for entries of small A_gqi / sigma_gq.
+        ``compressed``: ``self.compressed(sums)`` when the caller has it.
+        """
+        compressed = self.compressed(sums) if compressed is None else compressed  # (b, h_kv, G, w, hidden)
+        signs = (self.full - compressed).sign_()
+        back = torch.matmul(signs, self.w_heads.transpose(-1, -2))  # s W^T: (b, h_kv, G, w, d)
+        offset = (signs * compressed).sum(-1, keepdim=True)  # s . ô W: (b, h_kv, G, w, 1)
+        coefficients = torch.cat([back, -offset], dim=-1) * _inverse_mass(sums)[..., None]  # (b, h_kv, G, w, d + 1)
+        b, h_kv, g, w, n = attention.shape
+        per_entry = torch.matmul(
+            attention.reshape(b, h_kv, g * w, n).transpose(-1, -2), coefficients.reshape(b, h_kv, g * w, -1)
+        )  # (b, h_kv, n, d + 1)
+        return (per_entry * values_and_one).sum(-1)
+
+    def improve(
+        self,
+        keep: torch.Tensor,
+        free: torch.Tensor,
+        pool: int = 64,
+        rounds: int = 8,
+        candidates: int = 256,
+        max_weight: float = 1.0,
+    ) -> torch.Tensor:
+        """Lower L by swaps of entries of ``free`` (b, h_kv, t) or (b, 1, t) bool in and out of ``keep``.
+
+        Free entries with ``max_gq A_gqi / sigma_gq > max_weight`` stay as they are (``gain`` misjudges them). The
+        others are ranked by ``gain``; the ``candidates`` best excluded and the ``candidates`` worst kept ones form the
+        candidate set. Each round, per head: rank the candidates by ``gain``, pair the ``pool`` best excluded with
+        the ``pool`` worst kept (best with worst), evaluate L exactly for swapping the first m pairs, m = 1, 4, 16,
+        ..., ``pool``, and apply the best m if it lowers L; if none does, the first pair was misjudged and leaves
+        the candidates. Budgets never change. Returns a new mask, per head never worse than ``keep`` on L.
+        """
+        b, h_kv, t = keep.shape
+        device = keep.device
+        start_sums = self.kept_sums(keep)  # (b, h_kv, G, w, d + 1)
+        weight = (self.attention * _inverse_mass(start_sums)[..., None]).amax(dim=(2, 3))  # (b, h_kv, t)
+        free = free & (weight <= max_weight)
+        addable, movable = free & ~keep, free & keep
+        n = min(candidates, t)
+        if n < 1 or pool < 1 or rounds < 1 or not bool((addable.any(-1) & movable.any(-1)).any()):
+            return keep
+        compressed = self.compressed(start_sums)  # ô W of the current set: (b, h_kv, G, w, hidden)
+        start_loss = self.distance(compressed)  # (b, h_kv)
+        gain = self.gain(start_sums, self.attention, self.values_and_one, compressed)  # (b, h_kv, t)
+        # the candidates, best first on each side: (b, h_kv, 2n) positions, and which of them are real candidates
+        add_side = gain.masked_fill(~addable, -math.inf).topk(n, dim=-1).indices
+        drop_side = gain.masked_fill(~movable, math.inf).topk(n, dim=-1, largest=False).indices
+        index = torch.cat([add_side, drop_side], dim=-1)
+        member = torch.cat([addable.gather(-1, add_side), movable.gather(-1, drop_side)], dim=-1)
+        start_in_set = torch.cat([torch.zeros_like(member[..., :n]), member[..., n:]], dim=-1)
+        g, w, width = self.attention.shape[2], self.attention.shape[3], self.values_and_one.shape[-1]
+        attention = self.attention.gather(-1, index[:, :, None, None, :].expand(b, h_kv, g, w, 2 * n))
+        values_and_one = self.values_and_one.gather(2, index[..., None].expand(b, h_kv, 2 * n, width))
+        gain = gain.gather(-1, index)  # (b, h_kv, 2n)
+        pool = min(pool, n)
+        sizes = torch.tensor(sorted({min(4**i, pool) for i in range(math.ceil(math.log(pool, 4)) + 1)}), device=device)
+        take = (torch.arange(pool, device=device)[None, :] < sizes[:, None]).float()  # (J, P): the first m pairs
+        ranks = torch.arange(pool, device=device)[None, None, :]
+        sums, in_set, current = start_sums, start_in_set, start_loss
+        for round_ in range(rounds):
+            if round_:
+                gain = self.gain(sums, attention, values_and_one, compressed)
+            add = gain.masked_fill(~(member & ~in_set), -math.inf).topk(pool, dim=-1).indices  # (b, h_kv, P)
+            drop = gain.masked_fill(~(member & in_set), math.inf).topk(pool, dim=-1, largest=False).indices
+            pairs = torch.minimum((member & ~in_set).sum(-1), (member & in_set).sum(-1)).clamp(max=pool)  # (b, h_kv)
+            change = 0.0
+            for side, sign in ((add, 1.0), (drop, -1.0)):
+                a = attention.gather(-1, side[:, :, None, None, :].expand(b, h_kv, g, w, pool))  # (b, h_kv, G, w, P)
+                v = values_and_one.gather(2, side[..., None].expand(b, h_kv, pool, width))  # (b, h_kv, P, d + 1)
+                change = change + sign * torch.einsum("bkgqp,jp,bkpe->bkgjqe", a, take, v)  # (b, h_kv, G, J, w, d+1)
+            proposed = sums[:, :, :, None] + change
+            proposed_compressed = self.compressed(proposed)  # (b, h_kv, G, J, w, hidden)
+            losses = self.distance(proposed_compressed).masked_fill(sizes > pairs[..., None], math.inf)  # (b, h_kv, J)
+            best, choice = losses.min(dim=-1)
+            accept = best < current * (1 - _MIN_RELATIVE_GAIN)  # (b, h_kv)
+            failed = ~accept & (pairs > 0)
+            if not bool((accept | failed).any()):
+                break
+            first = torch.zeros_like(member)  # a failed head's first pair, misjudged by gain: no longer candidates
+            first.scatter_(-1, drop[..., :1], failed[..., None])
+            member = member & ~first
+            chosen = ranks < torch.where(accept, sizes[choice], 0)[..., None]  # (b, h_kv, P); top-k indices are unique
+            added = torch.zeros_like(in_set).scatter_(-1, add, chosen)
+            dropped = torch.zeros_like(in_set).scatter_(-1, drop, chosen)
+            in_set = (in_set | added) & ~dropped
+            pick = choice[:, :, None, None, None, None].expand(b, h_kv, g, 1, w, 1)
+            taken = accept[:, :, None, None, None]
+            sums = torch.where(taken, proposed.gather(3, pick.expand(-1, -1, -1, -1, -1, width))[:, :, :, 0], sums)
+            picked = proposed_compressed.gather(3, pick.expand(-1, -1, -1, -1, -1, compressed.shape[-1]))
+            compressed = torch.where(taken, picked[:, :, :, 0], compressed)
+            current = torch.where(accept, best, current)
+        # the sums drifted by float32 rounding over the rounds: judge the final set afresh against the start
+        change = in_set.float() - start_in_set.float()  # (b, h_kv, 2n): +1 added, -1 dropped
+        final = start_sums + _weighted_sums(attention, values_and_one * change[..., None])
+        better = self.loss_of(final) <= start_loss  # (b, h_kv)
+        moved = (in_set != start_in_set) & better[..., None]
+        flips = torch.zeros_like(keep, dtype=torch.long).scatter_add_(-1, index, moved.long()) > 0
+        return keep ^ flips
+
+
+def _weighted_sums(attention: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """sum_i A_gqi rows_i for attention (b, h_kv, G, w, n) and rows (b, h_kv, n, e): (b, h_kv, G, w, e)."""
+    b, h_kv, g, w, n = attention.shape
+    return torch.matmul(attention.reshape(b, h_kv, g * w, n), rows).view(b, h_kv, g, w, -1)
+
+
+def _inverse_mass(sums: torch.Tensor) -> torch.Tensor:
+    """1 / sigma_gq from kept sums (..., d + 1), 0 where nothing is kept: (...)."""
+    sigma = sums[..., -1]
+    return torch.where(sigma > 0, 1.0 / sigma.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+
+
+@dataclass
+class PerturbationSelector:
+    """Minimises the measured output perturbation of the observation window's queries, per KV head.
+
+    Starts from the scorer's top-k set (or CriticalKV's) and improves it by swaps (``WindowPerturbation.improve``):
+    each round ranks the candidates by the first-order change of L, pairs the ``pool`` most promising excluded
+    entries with the ``pool`` least useful kept ones and applies the number of pairs (1, 4, 16, ..., ``pool``) whose
+    exact L is lowest, if it beats the current set. Protected entries (SnapKV's window) and the ``anchor`` share of
+    the budget with the best scores stay kept: the window's 32 queries are a small sample of the queries that come
+    later, and the pooled scores of the best entries generalise where the window's exact perturbation overfits.
+    Budgets are unchanged. Deterministic, and per head never worse on L than its starting set.
+
+    Cost per KV head, with w window queries, G query heads per KV head, t entries, head size d, hidden size H and
+    c = ``candidates``: once, O(G w t d) (the full and kept window outputs and the first ranking; the window
+    attention itself is SnapKV's, shared); per round, O(G w c d) for the ranking and O(log4(pool) G w d H) for the
+    exact evaluations. ``start="critical"`` adds CriticalKV's value norm, O(t d G H).
+
+    Parameters
+    ----------
+    window
+        Window queries in the objective (the last ``window`` prompt tokens); SnapKV's option of the same name,
+        so ``build_method(..., window=64)`` sets both.
+    start
+        ``"topk"`` (the scorer's top-k set, SnapKV's) or ``"critical"`` (CriticalKV's two-stage set with ``alpha``,
+        ``eps``, ``norm_dtype``).
+    pool
+        Most swaps per head and round.
+    rounds
+        Most rounds of swaps.
+    candidates
+        Entries per side (excluded / kept) that may be swapped at all, chosen by the first ranking.
+    max_weight
+        Entries whose attention share ``A_gqi / sigma_gq`` exceeds this for some window query are never swapped: the
+        first-order ranking misjudges them.
+    anchor
+        Share of each head's budget (protected entries included) filled by the best scores and never swapped out.
+    alpha, eps, norm_dtype
+        The CriticalKV starting set's options (see ``CriticalSelector``).
+    """
+
+    window: int = 32
+    start: str = "topk"
+    pool: int = 64
+    rounds: int = 8
+    candidates: int = 256
+    max_weight: float = 0.03
+    anchor: float = 0.5
+    alpha: float = 0.5
+    eps: float = 1e-4
+    norm_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.start not in STARTS:
+            raise ValueError(f"start must be one of {STARTS}, got {self.start!r}")
+        if self.pool < 1 or self.rounds < 0 or self.candidates < 1:
+            raise ValueError(
+                f"pool and candidates must be >= 1, rounds >= 0; got {self.pool}, {self.candidates}, {self.rounds}"
+            )
+        if not 0.0 < self.max_weight <= 1.0:
+            raise ValueError(f"max_weight must be in (0, 1], got {self.max_weight}")
+        if not 0.0 <= self.anchor <= 1.0:
+            raise ValueError(f"anchor must be in [0, 1], got {self.anchor}")
+        CriticalSelector(alpha=self.alpha, eps=self.eps, norm_dtype=self.norm_dtype)  # validates them
+
+    def starting_selector(self) -> CriticalSelector | TopKSelector:
+        """The selector whose set the swaps start from."""
+        if self.start == "topk":
+            return TopKSelector()
+        return CriticalSelector(alpha=self.alpha, eps=self.eps, norm_dtype=self.norm_dtype)
+
+    def select(
+        self, scores: torch.Tensor, budgets: torch.Tensor, protected: torch.Tensor, view: LayerView
+    ) -> torch.Tensor:
+        keep = self.starting_selector().select(scores, budgets, protected, view)
+        free = (view.valid & ~protected)[:, None, :]  # (b, 1, t): entries a swap may move
+        if self.anchor > 0:
+            anchored = keep_protected(protected, budgets)
+            anchored = take_top(
+                scores, anchored, view.valid, torch.floor(budgets * self.anchor).long() - anchored.sum(-1)
+            )
+            free = free & ~anchored
+        objective = WindowPerturbation.of_view(view, self.window)
+        return objective.improve(keep, free, self.pool, self.rounds, self.candidates, self.max_weight)

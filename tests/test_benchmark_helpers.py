@@ -1,0 +1,59 @@
+"""The pure helpers of the kvpress comparison benchmarks (benchmarks/speed_memory.py, quality_vs_kvpress.py)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from quality_vs_kvpress import trim_at_eos
+from speed_memory import kvpress_ratio, summarise
+
+
+@given(t=st.integers(min_value=64, max_value=200_000), tenths=st.integers(min_value=1, max_value=9))
+def test_kvpress_ratio_keeps_the_same_count(t: int, tenths: int) -> None:
+    """kvpress keeps max(1, int(T * (1 - ratio))) (kvpress/utils.py compute_n_kept); criticalkv floor(b * T)."""
+    budget = f"0.{tenths}"
+    ratio = kvpress_ratio(budget, t)
+    assert 0 <= ratio < 1
+    assert max(1, int(t * (1 - ratio))) == math.floor(t * tenths / 10)
+
+
+def test_trim_at_eos() -> None:
+    assert trim_at_eos([5, 2, 7, 2], {2}) == [5, 2]
+    assert trim_at_eos([5, 6], {2}) == [5, 6]
+    assert trim_at_eos([], {2}) == []
+
+
+def _run(system: str, method: str, ttft: float, kv: int) -> dict:
+    return {
+        "length": 1024,
+        "prompt_tokens": 1020,
+        "system": system,
+        "method": method,
+        "ttft_seconds": ttft,
+        "ttft_cpu_seconds": ttft,
+        "decode_ms_per_token_median": 10.0,
+        "decode_cpu_ms_per_token_median": 10.0,
+        "peak_rss_above_start_bytes": 100,
+        "kv_bytes": kv,
+    }
+
+
+def test_summarise_medians_fractions_and_ratios() -> None:
+    runs = [_run("ours", "full", t, 1000) for t in (1.0, 3.0, 2.0)]
+    runs += [_run("kvpress", "full", t, 1000) for t in (4.0, 4.0, 5.0)]
+    runs += [_run("ours", "snapkv", 1.0, 200), _run("kvpress", "snapkv", 2.0, 200)]
+    rows = summarise(runs, [1024], ["full", "snapkv"], ["ours", "kvpress"])
+    full, snap = rows
+    assert full["ours"]["ttft_seconds"] == 2.0 and full["kvpress"]["ttft_seconds"] == 4.0
+    assert full["ratio_ours_over_kvpress"]["ttft_seconds"] == pytest.approx(0.5)
+    assert snap["ours"]["kv_fraction_of_full"] == pytest.approx(0.2)
+    assert snap["ratio_ours_over_kvpress"]["kv_bytes"] == pytest.approx(1.0)
+    assert full["repeats"] == 3

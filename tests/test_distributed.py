@@ -1,0 +1,311 @@
+"""Tensor- and pipeline-parallel runs decide exactly as one process: a real ``torchrun`` launch (2 ranks, gloo on
+CPU) of a tiny random Llama (4 query / 2 KV heads, float32) split by heads then by layers, against the same model
+in this process. Plus the per-rank imbalance cap against a one-entry-at-a-time reference, and the early errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.distributed import DistributedConfig
+from typer.testing import CliRunner
+
+import criticalkv
+from criticalkv.allocators import AdaKVAllocator, HeadProfile
+from criticalkv.cli import app
+from criticalkv.distributed import (
+    UnevenHeadsError,
+    cap_rank_imbalance,
+    check_even_heads,
+    check_model,
+    head_shard,
+    launch,
+    output_projection,
+)
+from criticalkv.distributed.equivalence import compare, prompt, run_method
+from criticalkv.errors import CriticalKVError, UnsupportedModelError
+from criticalkv.methods import build_method
+from criticalkv.models import presets
+from criticalkv.runtime.method import Method
+from criticalkv.scorers import LayerView
+
+METHODS = ["critical-snapkv", "critical-adakv", "critical-headkv", "critical-tova", "layer-defensive", "defensive"]
+CAPPED = "critical-adakv:max_rank_imbalance=0"  # every rank holds the same share of each layer
+BUDGET, TOKENS, ROWS, NEW_TOKENS = 0.2, 256, 2, 6  # B = 51 entries per head > SnapKV's 32-token window
+
+
+def _config(vocab: int, heads: int = 4, kv_heads: int = 2) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=16 * heads,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# a real torchrun launch against this process
+
+
+@pytest.fixture(scope="module")
+def tiny_root(tmp_path_factory, tiny_tokenizer) -> Path:
+    """``model/``: a random Llama with its tokenizer; ``cache/head_profiles/``: a HeadKV profile for its shape."""
+    root = tmp_path_factory.mktemp("distributed")
+    config = _config(len(tiny_tokenizer))
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(root / "model")
+    tiny_tokenizer.save_pretrained(root / "model")
+    importance = torch.rand(4, 2, generator=torch.Generator().manual_seed(3)) + 0.1
+    HeadProfile.from_config(config, importance, name="tiny-random").save(root / "cache" / "head_profiles" / "tiny.json")
+    return root
+
+
+def _torchrun(root: Path, *args: str) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node 2 -m <args>`` on this machine's CPUs (gloo), one thread per rank."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CRITICALKV_CACHE_DIR": str(root / "cache")}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def split_runs(tiny_root: Path) -> dict:
+    """One launch of 2 ranks: tensor parallelism over both, then 2 pipeline stages."""
+    out = tiny_root / "split.pt"
+    _torchrun(
+        tiny_root,
+        *("criticalkv.distributed.equivalence", "--model", str(tiny_root / "model")),
+        *("--methods", ",".join([*METHODS, CAPPED]), "--budget", str(BUDGET), "--tokens", str(TOKENS)),
+        *("--rows", str(ROWS), "--new-tokens", str(NEW_TOKENS), "--splits", "2x1,1x2", "--out", str(out)),
+    )
+    return torch.load(out, weights_only=False)
+
+
+class _TwoRankCap(AdaKVAllocator):
+    """AdaKV with the rank cap applied as if its heads were split over 2 ranks: the one-process reference."""
+
+    def allocate(self, scores, row_budgets, view, protected=None):
+        budgets = super().allocate(scores, row_budgets, view, protected)
+        return cap_rank_imbalance(budgets, scores, view.valid, protected, 2, self.max_rank_imbalance)
+
+
+@pytest.fixture(scope="module")
+def single_runs(tiny_root: Path, split_runs) -> dict:
+    """The same methods on the same prompt, in this process (one rank holds everything)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CRITICALKV_CACHE_DIR", str(tiny_root / "cache"))
+        model, tokenizer = launch.load_model(str(tiny_root / "model"), dtype="float32")
+        ids, mask = prompt(model, tokenizer, TOKENS, ROWS, seed=0)
+        runs = {name: run_method(model, name, BUDGET, ids, mask, NEW_TOKENS) for name in METHODS}
+        capped = build_method("critical-adakv", max_rank_imbalance=0.0)
+        reference = Method(capped.scorer, _TwoRankCap(max_rank_imbalance=0.0), capped.selector)
+        runs[CAPPED] = run_method(model, reference, BUDGET, ids, mask, NEW_TOKENS)
+    return runs
+
+
+def test_tensor_parallel_decides_as_one_process(split_runs, single_runs):
+    split = split_runs["tp2xpp1"]
+    assert compare(single_runs, split) == []  # kept indices, budgets, greedy tokens; logits within 1e-5
+    assert sorted(split["critical-adakv"].keep) == [0, 1, 2, 3]
+    assert split["critical-adakv"].keep[0].shape == (ROWS, 2, TOKENS)  # both ranks' heads, gathered
+
+
+def test_pipeline_parallel_decides_as_one_process(split_runs, single_runs):
+    split = split_runs["tp1xpp2"]
+    uncapped = {name: run for name, run in single_runs.items() if name != CAPPED}
+    assert compare(uncapped, split) == []
+    assert compare({CAPPED: single_runs["critical-adakv"]}, split) == []  # no heads split: the cap does nothing
+
+
+def test_rank_bytes(split_runs, single_runs):
+    tp, pp = split_runs["tp2xpp1"], split_runs["tp1xpp2"]
+    for name in METHODS:
+        (total,) = single_runs[name].rank_bytes
+        assert sum(tp[name].rank_bytes) == total == sum(pp[name].rank_bytes)
+    snap = tp["critical-snapkv"].rank_bytes
+    assert snap[0] == snap[1]  # uniform budgets: both ranks hold the same
+    ada = tp["critical-adakv"].rank_bytes
+    assert ada[0] != ada[1]  # AdaKV's head budgets load one rank more than the other...
+    capped = tp[CAPPED].rank_bytes
+    assert capped[0] == capped[1] < max(ada)  # ...unless the cap evens them out
+
+
+def test_cli_run_under_torchrun(tiny_root: Path, monkeypatch):
+    """``criticalkv run`` split over 2 ranks answers as on one process; rank 0 alone prints and writes."""
+    args = ["run", "--model", str(tiny_root / "model"), "--method", "critical-adakv", "--context-tokens", "200"]
+    args += ["--max-new-tokens", "3", "--dtype", "float32"]
+    split = _torchrun(tiny_root, "criticalkv.cli", *args, "--json", str(tiny_root / "split.json"))
+    assert split.stdout.count("question-aware · budget 0.2") == 1  # one table: rank 1 printed nothing
+    monkeypatch.setenv("CRITICALKV_CACHE_DIR", str(tiny_root / "cache"))
+    single = CliRunner().invoke(app, [*args, "--json", str(tiny_root / "single.json")])
+    assert single.exit_code == 0, single.output
+    (split_report, single_report) = (json.loads((tiny_root / f).read_text()) for f in ("split.json", "single.json"))
+    assert split_report["parallel"] == {"tensor_parallel": 2, "pipeline_stages": 1}
+    for got, want in zip(split_report["results"], single_report["results"], strict=True):
+        assert got["answer"] == want["answer"]
+        assert got["kept_entries"] == want["kept_entries"]  # the whole model's, summed over the ranks
+        assert got["kv_bytes_after_compression"] == want["kv_bytes_after_compression"] == sum(got["kv_bytes_per_rank"])
+        assert len(got["kv_bytes_per_rank"]) == 2
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the imbalance cap
+
+
+def _cap_reference(budgets, scores, valid, protected, ranks, max_imbalance):
+    """One entry at a time: cut the over-full blocks' lowest kept entries, then add the best free entries."""
+    out = budgets.clone()
+    b, h, t = scores.shape
+    per_rank = h // ranks
+    for row in range(b):
+        value = []  # value[head][k]: what a head with budget k + 1 keeps last (protected first, padding last)
+        for head in range(h):
+            entries = []
+            for i in range(t):
+                if not valid[row, i]:
+                    entries.append(-math.inf)
+                else:
+                    entries.append(math.inf if protected[row, i] else float(scores[row, head, i]))
+            value.append(sorted(entries, reverse=True))
+        counts = out[row].tolist()
+        total, length = sum(counts), int(valid[row].sum())
+        mean = total / ranks
+        cap = max(math.ceil(mean - 1e-9), math.floor((1 + max_imbalance) * mean + 1e-9))
+        floor = [min(c, total // h) for c in counts]
+        block_of = [head // per_rank for head in range(h)]
+        moved = 0
+        for r in range(ranks):
+            mine = range(r * per_rank, (r + 1) * per_rank)
+            while sum(counts[x] for x in mine) > cap:
+                worst = min((x for x in mine if counts[x] > floor[x]), key=lambda x: value[x][counts[x] - 1])
+                counts[worst] -= 1
+                moved += 1
+        for _ in range(moved):
+            held = [sum(counts[r * per_rank : (r + 1) * per_rank]) for r in range(ranks)]
+            free = [x for x in range(h) if held[block_of[x]] < cap and counts[x] < length]
+            best = max(free, key=lambda x: value[x][counts[x]])
+            counts[best] += 1
+        out[row] = torch.tensor(counts)
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    rows=st.integers(1, 2),
+    ranks=st.sampled_from([2, 3]),
+    per_rank=st.integers(1, 3),
+    t=st.integers(6, 40),
+    window=st.integers(0, 4),
+    share=st.floats(0.05, 0.9),
+    max_imbalance=st.sampled_from([0.0, 0.1, 0.5, 3.0]),
+)
+def test_cap_matches_one_entry_at_a_time(seed, rows, ranks, per_rank, t, window, share, max_imbalance):
+    gen = torch.Generator().manual_seed(seed)
+    h = ranks * per_rank
+    lengths = torch.randint(max(t // 2, 1), t + 1, (rows,), generator=gen)
+    valid = torch.arange(t)[None, :] >= (t - lengths)[:, None]  # left padding
+    protected = (torch.arange(t)[None, :] >= t - window) & valid
+    scores = torch.rand(rows, h, t, generator=gen) ** 4  # distinct, concentrated in a few heads
+    view = LayerView(
+        None, torch.zeros(rows, h, t, 1), torch.zeros(rows, h, t, 1), torch.zeros(rows, h, t, 1), valid, 1.0
+    )
+    row_budgets = torch.clamp((lengths.double() * share).long(), min=window + 1)
+    budgets = AdaKVAllocator().allocate(scores, row_budgets, view, protected)
+
+    capped = cap_rank_imbalance(budgets, scores, valid, protected, ranks, max_imbalance)
+    assert torch.equal(capped, _cap_reference(budgets, scores, valid, protected, ranks, max_imbalance))
+    assert torch.equal(capped.sum(-1), budgets.sum(-1))  # the layer keeps as many entries as AdaKV decided
+    totals = budgets.sum(-1, keepdim=True)
+    assert bool((capped >= torch.minimum(budgets, totals // h)).all())  # no head cut below the mean head
+    assert bool((capped <= lengths[:, None]).all())
+    mean = totals.double() / ranks
+    cap = torch.maximum(torch.ceil(mean - 1e-9), torch.floor((1 + max_imbalance) * mean + 1e-9))
+    blocks = capped.view(rows, ranks, per_rank).sum(-1)
+    assert bool((blocks <= cap).all())
+    within = (budgets.view(rows, ranks, per_rank).sum(-1) <= cap).all(-1)
+    assert torch.equal(capped[within], budgets[within])  # rows already within the cap are left alone
+
+
+def test_cap_rejects_bad_arguments():
+    scores, valid = torch.rand(1, 4, 8), torch.ones(1, 8, dtype=torch.bool)
+    budgets = torch.full((1, 4), 3)
+    with pytest.raises(ValueError, match="max_imbalance"):
+        cap_rank_imbalance(budgets, scores, valid, None, 2, -0.1)
+    with pytest.raises(ValueError, match="3 blocks"):
+        cap_rank_imbalance(budgets, scores, valid, None, 3, 0.0)
+    with pytest.raises(ValueError, match="max_rank_imbalance"):
+        AdaKVAllocator(max_rank_imbalance=-1.0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# early errors and one-process behaviour
+
+
+def test_uneven_heads_refused_before_loading(tmp_path, monkeypatch):
+    folder = tmp_path / "uneven"
+    _config(96, heads=6, kv_heads=3).save_pretrained(folder)  # 3 KV heads do not split over 2 ranks
+
+    def never(*args, **kwargs):
+        raise AssertionError("weights loaded before the heads were checked")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", never)
+    expected = r"3 KV heads \(6 query heads\), which do not split evenly over 2 tensor-parallel ranks.*\[1, 3\]"
+    with pytest.raises(UnevenHeadsError, match=expected):
+        presets.load_model(str(folder), distributed_config=DistributedConfig(tp_size=2))
+    assert issubclass(UnevenHeadsError, UnsupportedModelError)
+    check_even_heads(_config(96, heads=6, kv_heads=3), 3)  # 3 ranks: one KV head and two query heads each
+
+
+def test_uneven_heads_refused_before_the_first_forward():
+    model = LlamaForCausalLM(_config(96, heads=6, kv_heads=3)).eval()
+    check_model(model)  # one process: nothing to split
+    model.config.distributed_config = DistributedConfig(tp_size=2)
+    with pytest.raises(UnevenHeadsError, match="3 KV heads"):
+        check_model(model)
+    with pytest.raises(UnevenHeadsError), criticalkv.compress(model, "critical-snapkv", 0.2):
+        pass
+
+
+def test_bounded_cross_layer_refuses_a_split_model():
+    model = LlamaForCausalLM(_config(96)).eval()
+    model.config.distributed_config = DistributedConfig(pp_size=2)  # as transformers marks a split model
+    refused = pytest.raises(UnsupportedModelError, match="preset layer-defensive")
+    with refused, criticalkv.compress(model, "layer-defensive-bounded", 0.2):
+        model(input_ids=torch.randint(3, 96, (1, 80)))
+
+
+def test_parallel_sizes(monkeypatch):
+    monkeypatch.setattr(launch, "_REQUESTED", {"tp_size": None, "pp_size": None})
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert launch.parallel_sizes() == (4, 1)
+    assert launch.parallel_sizes(pp_size=2) == (2, 2)
+    with pytest.raises(CriticalKVError, match="needs 3 processes, but 4 were launched"):
+        launch.parallel_sizes(tp_size=3)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(CriticalKVError, match="torchrun --nproc_per_node 2"):
+        launch.parallel_sizes(tp_size=2)
+
+
+def test_one_process_sees_every_head():
+    model = LlamaForCausalLM(_config(96)).eval()
+    attention = model.model.layers[0].self_attn
+    view = LayerView(attention, torch.zeros(1, 4, 5, 16), torch.zeros(1, 2, 5, 16), torch.zeros(1, 2, 5, 16), None, 1.0)
+    assert head_shard(view) is None
+    assert output_projection(attention.o_proj.weight, 64) is attention.o_proj.weight
+    assert view.o_proj_weight is attention.o_proj.weight
