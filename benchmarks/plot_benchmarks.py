@@ -135,10 +135,13 @@ def speed_tables(summary: list[dict], clock: str) -> str:
         "decode kvpress (ms/token) | ratio |",
         "|" + "---|" * 8,
     ]
+    cuda = "peak_cuda_above_start_bytes"
+    on_gpu = any(cuda in r.get("ours", {}) for r in summary)
     memory_lines = [
         "| prompt tokens | method | peak RSS criticalkv (MiB) | peak RSS kvpress (MiB) | ratio | "
-        "KV criticalkv (MiB, % of full) | KV kvpress (MiB, % of full) | ratio |",
-        "|" + "---|" * 8,
+        + ("peak CUDA criticalkv (MiB) | peak CUDA kvpress (MiB) | ratio | " if on_gpu else "")
+        + "KV criticalkv (MiB, % of full) | KV kvpress (MiB, % of full) | ratio |",
+        "|" + "---|" * (11 if on_gpu else 8),
     ]
     rss = "peak_rss_above_start_bytes"
     for r in summary:
@@ -148,9 +151,14 @@ def speed_tables(summary: list[dict], clock: str) -> str:
             f"{head} {_cell(ours, ttft, '.2f')} | {_cell(theirs, ttft, '.2f')} | {_cell(ratio, ttft, '.3f')} | "
             f"{_cell(ours, decode, '.1f')} | {_cell(theirs, decode, '.1f')} | {_cell(ratio, decode, '.3f')} |"
         )
+        gpu = (
+            f" {_cell(ours, cuda, '.0f', MIB)} | {_cell(theirs, cuda, '.0f', MIB)} | {_cell(ratio, cuda, '.3f')} |"
+            if on_gpu
+            else ""
+        )
         memory_lines.append(
-            f"{head} {_cell(ours, rss, '.0f', MIB)} | {_cell(theirs, rss, '.0f', MIB)} | {_cell(ratio, rss, '.3f')} | "
-            f"{_kv_cell(ours)} | {_kv_cell(theirs)} | {_cell(ratio, 'kv_bytes', '.3f')} |"
+            f"{head} {_cell(ours, rss, '.0f', MIB)} | {_cell(theirs, rss, '.0f', MIB)} | {_cell(ratio, rss, '.3f')} |"
+            f"{gpu} {_kv_cell(ours)} | {_kv_cell(theirs)} | {_cell(ratio, 'kv_bytes', '.3f')} |"
         )
     return (
         f"Times ({label}, medians):\n\n" + "\n".join(time_lines) + "\n\nMemory (medians):\n\n" + "\n".join(memory_lines)
@@ -168,6 +176,8 @@ def quality_tables(report: dict) -> str:
             f"| `{method}` | `{r['kvpress_press']}` | {r['samples']} | {100 * r['exact_agreement']:.1f}% | "
             f"{100 * r['score_agreement']:.1f}% | {r['ours_mean_score']:.1f} | {r['kvpress_mean_score']:.1f} |"
         )
+    if not any(r["disagreements"] for r in report["methods"].values()):
+        return "\n".join([*lines, "", "No disagreements."])
     lines += [
         "",
         "| method | sample | criticalkv answer (score) | kvpress answer (score) | kept sets |",

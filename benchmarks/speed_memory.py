@@ -295,6 +295,7 @@ def main() -> None:
                         runs.append(r)
                         print(f"#{repeat} {length:6d} {method:16s} {system:8s} {_one_line(r)}", flush=True)
                         write_report(args, folder, runs, lengths, methods, systems)  # after every run: resumable
+    write_report(args, folder, runs, lengths, methods, systems)
     print(f"wrote {args.out}")
 
 
