@@ -139,7 +139,7 @@ def test_gain_is_the_first_order_decrease():
     groups=st.integers(1, 3),
     window=st.integers(1, 6),
     fraction=st.floats(0.05, 1.0),
-    start=st.sampled_from(["topk", "critical"]),
+    start=st.sampled_from(["topk", "critical", "critical-unpooled"]),
     pool=st.integers(1, 8),
     rounds=st.integers(0, 6),
     candidates=st.integers(1, 16),
@@ -158,7 +158,8 @@ def test_never_worse_than_its_start(
     budgets = (torch.rand(len(lengths), h_kv, generator=gen) * fraction * t).long().clamp(min=1)
     selector = PerturbationSelector(
         window=window,
-        start=start,
+        start=start.removesuffix("-unpooled"),
+        stage2="unpooled" if start.endswith("-unpooled") else "scores",
         pool=pool,
         rounds=rounds,
         candidates=candidates,
@@ -228,11 +229,15 @@ def test_options_are_checked():
         dict(anchor=1.5),
         dict(alpha=2.0),
         dict(norm_dtype="half"),
+        dict(stage2="pooled"),
+        dict(aggregate="median"),
     ):
         with pytest.raises(ValueError):
             PerturbationSelector(**bad)
     assert isinstance(PerturbationSelector().starting_selector(), TopKSelector)
     assert PerturbationSelector(start="critical", alpha=0.25).starting_selector() == CriticalSelector(alpha=0.25)
+    start = PerturbationSelector(start="critical", stage2="unpooled", window=8, aggregate="max").starting_selector()
+    assert start == CriticalSelector(stage2="unpooled", window=8, aggregate="max")
 
 
 # --------------------------------------------------------------------------------------------------------------

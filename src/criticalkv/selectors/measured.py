@@ -137,8 +137,9 @@ class WindowPerturbation:
         others are ranked by ``gain``; the ``candidates`` best excluded and the ``candidates`` worst kept ones form the
         candidate set. Each round, per head: rank the candidates by ``gain``, pair the ``pool`` best excluded with
         the ``pool`` worst kept (best with worst), evaluate L exactly for swapping the first m pairs, m = 1, 4, 16,
-        ..., ``pool``, and apply the best m if it lowers L; if none does, the first pair was misjudged and leaves
-        the candidates. Budgets never change. Returns a new mask, per head never worse than ``keep`` on L.
+        ..., ``pool``, and apply the best m if it lowers L; if none does, the first pair's kept entry (whose removal
+        ``gain`` misjudged) leaves the candidates. Budgets never change. Returns a new mask, per head never worse
+        than ``keep`` on L.
         """
         b, h_kv, t = keep.shape
         device = keep.device
@@ -256,8 +257,9 @@ class PerturbationSelector:
         first-order ranking misjudges them.
     anchor
         Share of each head's budget (protected entries included) filled by the best scores and never swapped out.
-    alpha, eps, norm_dtype
-        The CriticalKV starting set's options (see ``CriticalSelector``).
+    alpha, eps, norm_dtype, stage2, aggregate
+        The CriticalKV starting set's options (see ``CriticalSelector``); ``start="critical"`` with
+        ``stage2="unpooled"`` gives the lowest mean perturbation in docs/selectors.md.
     """
 
     window: int = 32
@@ -270,6 +272,8 @@ class PerturbationSelector:
     alpha: float = 0.5
     eps: float = 1e-4
     norm_dtype: str = "float32"
+    stage2: str = "scores"
+    aggregate: str = "mean"
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -284,13 +288,21 @@ class PerturbationSelector:
             raise ValueError(f"max_weight must be in (0, 1], got {self.max_weight}")
         if not 0.0 <= self.anchor <= 1.0:
             raise ValueError(f"anchor must be in [0, 1], got {self.anchor}")
-        CriticalSelector(alpha=self.alpha, eps=self.eps, norm_dtype=self.norm_dtype)  # validates them
+        self._critical()  # validates its options
+
+    def _critical(self) -> CriticalSelector:
+        return CriticalSelector(
+            alpha=self.alpha,
+            eps=self.eps,
+            norm_dtype=self.norm_dtype,
+            stage2=self.stage2,
+            window=self.window,
+            aggregate=self.aggregate,
+        )
 
     def starting_selector(self) -> CriticalSelector | TopKSelector:
         """The selector whose set the swaps start from."""
-        if self.start == "topk":
-            return TopKSelector()
-        return CriticalSelector(alpha=self.alpha, eps=self.eps, norm_dtype=self.norm_dtype)
+        return TopKSelector() if self.start == "topk" else self._critical()
 
     def select(
         self, scores: torch.Tensor, budgets: torch.Tensor, protected: torch.Tensor, view: LayerView
