@@ -1,4 +1,4 @@
-"""The fused attention paths over a compressed layer (padded SDPA, flash-attn varlen) against masked dense
+"""The fused attention paths over a compressed layer (uniform and padded SDPA, flash-attn varlen) against masked dense
 attention, the rule that picks a path, and the environment variable that forces one."""
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from criticalkv.cache.fused_attention import (
     is_plain_causal,
     padded_attention,
     padding_fits,
+    uniform_attention,
+    uniform_width,
     varlen_inputs,
 )
 from criticalkv.errors import CriticalKVError
@@ -116,6 +118,8 @@ def run_path(path, layer, query, tail_keys, tail_values, tail_mask):
         return flash_varlen_attention(query, layer, tail_keys, tail_values, scaling, kernel=reference_varlen)
     if path == "padded":
         return padded_attention(query, layer, tail_keys, tail_values, tail_mask, scaling)
+    if path == "uniform":
+        return uniform_attention(query, layer, tail_keys, tail_values, tail_mask, scaling)
     return segment_attention(query, layer, tail_keys, tail_values, tail_mask, scaling)
 
 
@@ -146,6 +150,26 @@ def test_paths_equal_masked_dense_attention(path, groups, q, padded_tail):
     assert (out.double() - want).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("groups", [1, 2, 7])
+@pytest.mark.parametrize("q", [1, 4])
+@pytest.mark.parametrize("padded_tail", [False, True])
+@pytest.mark.parametrize("kept", [1, 7])
+def test_uniform_path_equals_masked_dense_attention(groups, q, padded_tail, kept):
+    """Every segment keeps the same count (a per-layer budget): the flat context viewed as one dense tensor."""
+    gen = torch.Generator().manual_seed(1000 * groups + 10 * q + padded_tail + kept)
+    b, h_kv, t = 3, 2, 40
+    lengths = torch.full((b, h_kv), kept)
+    layer, query, tail_keys, tail_values, tail_mask, want = make_case(
+        b, h_kv, groups, t, 8, q, previous=3, gen=gen, lengths=lengths, padded_tail=padded_tail
+    )
+    assert uniform_width(layer) == kept
+    for path in ("uniform", "padded", "segments"):
+        out = run_path(path, layer, query, tail_keys, tail_values, tail_mask)
+        assert out.shape == (b, q, h_kv * groups, 8)
+        assert (out.double() - want).abs().max().item() <= 1e-5, path
+    assert choose_path(query, layer, tail_mask, tail_keys.shape[2]) == "uniform"
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     b=st.integers(1, 3),
@@ -167,6 +191,9 @@ def test_paths_equal_masked_dense_property(b, h_kv, groups, t, d, q, previous, p
             continue
         out = run_path(path, layer, query, tail_keys, tail_values, tail_mask)
         assert (out.double() - want).abs().max().item() <= 1e-5, path
+    if uniform_width(layer) is not None:
+        out = run_path("uniform", layer, query, tail_keys, tail_values, tail_mask)
+        assert (out.double() - want).abs().max().item() <= 1e-5, "uniform"
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -213,6 +240,20 @@ def _layer_with_lengths(lengths: torch.Tensor, tail: int, d: int = 4) -> Compres
     return layer
 
 
+def test_auto_is_uniform_when_every_segment_keeps_the_same_count():
+    query = torch.randn(2, 4, 1, 64)
+    mask = torch.ones(2, 1, 1, 1, dtype=torch.bool)
+    same = _layer_with_lengths(torch.full((2, 4), 6000), tail=1, d=64)  # beyond the CPU padded limit: no padding
+    assert uniform_width(same) == 6000 and not padding_fits(same, 1)
+    assert choose_path(query, same, mask, 1) == "uniform"
+    uneven = _layer_with_lengths(torch.tensor([[3, 3, 3, 3], [3, 3, 2, 3]]), tail=1)
+    assert uniform_width(uneven) is None
+    with pytest.raises(CriticalKVError, match="uniform attention path"):
+        choose_path(torch.randn(2, 4, 1, 4), uneven, mask, 1, path="uniform")
+    with pytest.raises(CriticalKVError, match="uniform attention path"):
+        uniform_attention(torch.randn(2, 4, 1, 4), uneven, torch.randn(2, 4, 1, 4), torch.randn(2, 4, 1, 4), mask, 1.0)
+
+
 def test_auto_on_cpu_is_padded_within_the_padding_factor_and_size_else_segments():
     query = torch.randn(1, 4, 1, 4)
     mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
@@ -251,12 +292,17 @@ def test_environment_variable_forces_a_path(monkeypatch):
         choose_path(query, even, mask, 1, path="fused")
 
 
-@pytest.mark.parametrize(("forced", "called"), [("segments", "segment_attention"), ("padded", "padded_attention")])
+@pytest.mark.parametrize(
+    ("forced", "called"),
+    [("segments", "segment_attention"), ("padded", "padded_attention"), ("uniform", "uniform_attention")],
+)
 def test_compressed_attention_runs_the_forced_path(monkeypatch, forced, called):
     gen = torch.Generator().manual_seed(9)
-    layer, query, tail_keys, tail_values, tail_mask, want = make_case(2, 2, 2, 10, 4, 1, previous=0, gen=gen)
+    lengths = torch.full((2, 2), 4)
+    case = make_case(2, 2, 2, 10, 4, 1, previous=0, gen=gen, lengths=lengths)
+    layer, query, tail_keys, tail_values, tail_mask, want = case
     calls = []
-    for name in ("segment_attention", "padded_attention"):
+    for name in ("segment_attention", "padded_attention", "uniform_attention"):
         real = getattr(attention_module, name)
         monkeypatch.setattr(attention_module, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     monkeypatch.setenv(ATTENTION_ENV_VAR, forced)
@@ -331,9 +377,11 @@ def test_generation_is_the_same_on_every_cpu_path(monkeypatch):
     model.generation_config.eos_token_id = None
     ids = torch.randint(3, 96, (2, 60), generator=torch.Generator().manual_seed(1))
     results = {}
-    for path in ("segments", "padded"):
+    runs = [("critical-adakv", "segments"), ("critical-adakv", "padded")]
+    runs += [("critical-snapkv", "segments"), ("critical-snapkv", "padded"), ("critical-snapkv", "uniform")]
+    for method, path in runs:
         monkeypatch.setenv(ATTENTION_ENV_VAR, path)
-        with criticalkv.compress(model, "critical-adakv", budget=0.3, window=8):
+        with criticalkv.compress(model, method, budget=0.3, window=8):
             out = model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
@@ -342,6 +390,8 @@ def test_generation_is_the_same_on_every_cpu_path(monkeypatch):
                 output_logits=True,
                 return_dict_in_generate=True,
             )
-        results[path] = out.sequences, torch.stack(out.logits, dim=1)
-    assert torch.equal(results["segments"][0], results["padded"][0])
-    assert (results["segments"][1] - results["padded"][1]).abs().max().item() <= 1e-4
+        results[method, path] = out.sequences, torch.stack(out.logits, dim=1)
+    for method, path in runs:
+        reference = results[method, "segments"]
+        assert torch.equal(results[method, path][0], reference[0]), (method, path)
+        assert (results[method, path][1] - reference[1]).abs().max().item() <= 1e-4, (method, path)

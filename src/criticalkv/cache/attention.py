@@ -2,9 +2,9 @@
 
 Dense (not yet compressed) layers go to the model's own attention implementation with transformers' mask,
 so an uncompressed run is exactly the model's run. Compressed layers attend over their variable-length
-segments through ``compressed_attention``: flash-attn's varlen kernel or one padded SDPA call over all segments
-(``fused_attention``), or one SDPA call per segment (``segment_attention``); ``fused_attention.choose_path``
-says which, and ``$CRITICALKV_ATTENTION`` forces one.
+segments through ``compressed_attention``: flash-attn's varlen kernel, one SDPA call over equal-length
+segments or one padded SDPA call over all segments (``fused_attention``), or one SDPA call per segment
+(``segment_attention``); ``fused_attention.choose_path`` says which, and ``$CRITICALKV_ATTENTION`` forces one.
 """
 
 from __future__ import annotations
@@ -19,7 +19,12 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from criticalkv.cache.compressed_layer import CompressedLayer, as_bool_mask
-from criticalkv.cache.fused_attention import choose_path, flash_varlen_attention, padded_attention
+from criticalkv.cache.fused_attention import (
+    choose_path,
+    flash_varlen_attention,
+    padded_attention,
+    uniform_attention,
+)
 from criticalkv.errors import CriticalKVError
 
 __all__ = ["as_bool_mask", "compressed_attention", "criticalkv_attention", "register", "segment_attention"]
@@ -78,10 +83,13 @@ def compressed_attention(
     path: str | None = None,
 ) -> torch.Tensor:
     """Attention of a compressed layer by the path ``choose_path`` picks (or ``path``: ``auto``, ``flash``,
-    ``padded``, ``segments``); shapes as in ``segment_attention``. Every path computes the same attention."""
+    ``uniform``, ``padded``, ``segments``); shapes as in ``segment_attention``. Every path computes the same
+    attention."""
     chosen = choose_path(query, layer, tail_mask, tail_keys.shape[2], path)
     if chosen == "flash":
         return flash_varlen_attention(query, layer, tail_keys, tail_values, scaling)
+    if chosen == "uniform":
+        return uniform_attention(query, layer, tail_keys, tail_values, tail_mask, scaling)
     if chosen == "padded":
         return padded_attention(query, layer, tail_keys, tail_values, tail_mask, scaling)
     return segment_attention(query, layer, tail_keys, tail_values, tail_mask, scaling)

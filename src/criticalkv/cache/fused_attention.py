@@ -1,12 +1,16 @@
 """Attention over all segments of a compressed layer in one kernel call, and the rule that picks a path.
 
 A compressed layer holds, per (row, KV head) segment, its own number of kept context entries (flat, back to
-back) and a dense tail shared in length by every segment. Three paths compute the same attention:
+back) and a dense tail shared in length by every segment. Four paths compute the same attention:
 
 * ``flash``: flash-attn's ``flash_attn_varlen_func``. Each segment is one variable-length sequence of its kept
   context followed by its tail, with one KV head and the G query heads of its group (flash-attn's own GQA), so
   keys are never repeated. ``cu_seqlens_k`` is ``CompressedLayer.offsets()`` shifted by the tail; flash-attn's
   bottom-right causal mask is exactly "every query reads the whole context and the tail up to itself".
+* ``uniform``: every segment keeps the same count L (SnapKV, PyramidKV, StreamingLLM: any per-layer budget), so
+  the flat context is already a (b, h_kv, L, d) tensor; it is viewed as one (no copy), the tail appended, and
+  one ``scaled_dot_product_attention`` call runs with the G query heads folded into the query axis; no mask at a
+  decode step (every query reads everything), the tail mask otherwise. The same work as a dense cache's decode.
 * ``padded``: each segment's context gathered into a (b, h_kv, max_len + tail, d) tensor with a boolean mask,
   the G query heads folded into the query axis, one ``scaled_dot_product_attention`` call. Any device, any
   dtype, any tail mask (padded questions included).
@@ -14,14 +18,15 @@ back) and a dense tail shared in length by every segment. Three paths compute th
 
 ``choose_path`` decides, in this order:
 
-1. ``$CRITICALKV_ATTENTION`` (``auto``, ``flash``, ``padded``, ``segments``) forces a path; a forced ``flash``
-   that cannot run raises ``CriticalKVError`` with the reason, never falls back.
+1. ``$CRITICALKV_ATTENTION`` (``auto``, ``flash``, ``uniform``, ``padded``, ``segments``) forces a path; a
+   forced ``flash`` or ``uniform`` that cannot run raises ``CriticalKVError`` with the reason, never falls back.
 2. ``flash`` when the query is on CUDA in float16/bfloat16, ``flash_attn`` imports, the head size is one
    flash-attn supports, and the tail mask is plain causal (no padded tail entries).
-3. ``padded`` when its padded keys hold at most ``PADDING_FACTOR`` times the entries the layer stores, i.e.
+3. ``uniform`` when every segment holds the same number of context entries.
+4. ``padded`` when its padded keys hold at most ``PADDING_FACTOR`` times the entries the layer stores, i.e.
    ``segments * (max_len + tail) <= PADDING_FACTOR * (kept + segments * tail)`` (the padding waste is
    ``segments * max_len - kept`` entries), and, on CPU, the padded keys take at most ``CPU_PADDED_MAX_BYTES``.
-4. ``segments`` otherwise: budgets so uneven that padding would waste more than the factor allows, or, on CPU,
+5. ``segments`` otherwise: budgets so uneven that padding would waste more than the factor allows, or, on CPU,
    a layer so large that the per-segment loop is faster.
 
 Why the CPU size limit: the per-segment loop copies each segment and attends over it while it is still in the
@@ -51,10 +56,11 @@ __all__ = [
     "flash_reasons",
     "flash_varlen_attention",
     "padded_attention",
+    "uniform_attention",
 ]
 
 ATTENTION_ENV_VAR = "CRITICALKV_ATTENTION"
-PATHS = ("auto", "flash", "padded", "segments")
+PATHS = ("auto", "flash", "uniform", "padded", "segments")
 #: The padded path runs when its padded key tensor holds at most this many times the layer's stored entries.
 PADDING_FACTOR = 4.0
 #: On CPU, the padded path runs when its padded key tensor takes at most this many bytes (module docstring).
@@ -63,6 +69,50 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
 
 VarlenKernel = Callable[..., torch.Tensor]
+
+
+# --- the uniform path ------------------------------------------------------------------------------------------
+
+
+def uniform_width(layer: CompressedLayer) -> int | None:
+    """The context entries every segment holds when they all hold the same count, else None."""
+    lengths = layer.lengths
+    if lengths.numel() == 0:
+        return None
+    width = int(lengths.max())
+    return width if int(lengths.min()) == width else None
+
+
+def uniform_attention(
+    query: torch.Tensor,
+    layer: CompressedLayer,
+    tail_keys: torch.Tensor,
+    tail_values: torch.Tensor,
+    tail_mask: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """One SDPA call over a layer whose segments all keep the same count; same contract as ``padded_attention``.
+
+    query (b, h_q, q, d); tail_keys, tail_values (b, h_kv, tail, d); tail_mask (b, 1, q, tail) bool. Returns
+    (b, q, h_q, d). Transient memory: the context and tail keys and values concatenated, as a dense cache's
+    update makes them, and a (b, 1, G * q, L + tail) bool mask unless every query reads every entry.
+    """
+    width = uniform_width(layer)
+    if width is None:
+        raise CriticalKVError("the uniform attention path needs every segment to keep the same number of entries")
+    b, h_q, q, d = query.shape
+    h_kv = layer.lengths.shape[1]
+    g = h_q // h_kv
+    tail = tail_keys.shape[2]
+    keys = torch.cat([layer.context_keys.view(b, h_kv, width, d), tail_keys], dim=2)  # (b, h_kv, L + tail, d)
+    values = torch.cat([layer.context_values.view(b, h_kv, width, d), tail_values], dim=2)
+    mask = None
+    if not bool(tail_mask.all()):  # a query must not read some tail entries (causal question, padding)
+        folded_tail = tail_mask[:, :, None].expand(b, 1, g, q, tail).reshape(b, 1, g * q, tail)
+        mask = torch.cat([folded_tail.new_ones(b, 1, g * q, width), folded_tail], dim=-1)  # (b, 1, G*q, L + tail)
+    folded = query.reshape(b, h_kv, g * q, d)  # query heads of a KV head are adjacent
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
+    return out.view(b, h_q, q, d).transpose(1, 2)
 
 
 # --- the padded path --------------------------------------------------------------------------------------------
@@ -106,7 +156,8 @@ def padded_attention(
 
     query (b, h_q, q, d); tail_keys, tail_values (b, h_kv, tail, d); tail_mask (b, 1, q, tail) bool.
     Returns (b, q, h_q, d). Transient memory: one copy of the stored entries (context and tail), the padded keys
-    and values of (b * h_kv) x (max_len + tail) entries, and a (b, h_kv, G * q, max_len + tail) bool mask.
+    and values of (b * h_kv) x (max_len + tail) entries, and a (b, h_kv, G * q, max_len + tail) bool mask (one
+    row instead of G * q when every query reads the whole tail, as at a decode step).
     """
     b, h_q, q, d = query.shape
     h_kv = layer.lengths.shape[1]
@@ -114,10 +165,13 @@ def padded_attention(
     tail = tail_keys.shape[2]
     keys, values, valid = padded_segments(layer, tail_keys, tail_values)  # (b, h_kv, max_len + tail, d)
     width = valid.shape[-1]
-    folded_tail = tail_mask[:, :, None].expand(b, 1, g, q, tail).reshape(b, 1, g * q, tail)
-    mask = torch.cat(
-        [valid[:, :, None].expand(b, h_kv, g * q, width), folded_tail.expand(b, h_kv, g * q, tail)], dim=-1
-    )  # (b, h_kv, G*q, max_len + tail)
+    if bool(tail_mask.all()):  # every query reads every tail entry: one mask row, broadcast over the queries
+        mask = torch.cat([valid, valid.new_ones(b, h_kv, tail)], dim=-1)[:, :, None]  # (b, h_kv, 1, max_len + tail)
+    else:
+        folded_tail = tail_mask[:, :, None].expand(b, 1, g, q, tail).reshape(b, 1, g * q, tail)
+        mask = torch.cat(
+            [valid[:, :, None].expand(b, h_kv, g * q, width), folded_tail.expand(b, h_kv, g * q, tail)], dim=-1
+        )  # (b, h_kv, G*q, max_len + tail)
     folded = query.reshape(b, h_kv, g * q, d)  # query heads of a KV head are adjacent
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
     return out.view(b, h_q, q, d).transpose(1, 2)
@@ -243,9 +297,9 @@ def requested_path() -> str:
 def choose_path(
     query: torch.Tensor, layer: CompressedLayer, tail_mask: torch.Tensor, tail: int, path: str | None = None
 ) -> str:
-    """The attention path for a compressed layer: ``flash``, ``padded`` or ``segments`` (module docstring).
-
-    ``path`` overrides ``$CRITICALKV_ATTENTION``. A forced ``flash`` that cannot run raises ``CriticalKVError``.
+    """The attention path for a compressed layer: ``flash``, ``uniform``, ``padded`` or ``segments`` (module
+    docstring). ``path`` overrides ``$CRITICALKV_ATTENTION``. A forced ``flash`` or ``uniform`` that cannot run
+    raises ``CriticalKVError``.
     """
     path = requested_path() if path is None else path
     if path not in PATHS:
@@ -255,8 +309,16 @@ def choose_path(
         if reasons:
             raise CriticalKVError(f"the flash attention path cannot run: {'; '.join(reasons)}")
         return path
+    if path == "uniform":
+        if uniform_width(layer) is None:
+            raise CriticalKVError(
+                "the uniform attention path cannot run: the segments keep different numbers of entries"
+            )
+        return path
     if path != "auto":
         return path
     if not flash_reasons(query, tail_mask):
         return "flash"
+    if uniform_width(layer) is not None:
+        return "uniform"
     return "padded" if padding_fits(layer, tail) else "segments"

@@ -50,7 +50,7 @@ class WindowPerturbation:
         values = values.float()
         self.values_and_one = torch.cat([values, values.new_ones((*values.shape[:-1], 1))], -1)  # (b, h_kv, t, d+1)
         self.w_heads = w_heads.float()  # (h_kv, G, d, hidden)
-        self.full = self.project(_weighted_sums(self.attention, values))  # o W: (b, h_kv, G, w, hidden)
+        self.full = _weighted_sums(self.attention, values)  # o, before W_O: (b, h_kv, G, w, d)
 
     @classmethod
     def of_view(cls, view: LayerView, window: int) -> WindowPerturbation:
@@ -59,7 +59,8 @@ class WindowPerturbation:
         w = min(window, t)
         attention = shared_window_attention(view, w)  # (b, h_kv, G, w, t); NaN rows for padding queries
         query_valid = view.valid[:, t - w :]  # (b, w)
-        attention = attention.masked_fill(~query_valid[:, None, None, :, None], 0.0)
+        if not bool(query_valid.all()):
+            attention = attention.masked_fill(~query_valid[:, None, None, :, None], 0.0)
         hidden = view.o_proj_weight.shape[0]
         w_heads = view.o_proj_weight.detach().float().t().reshape(h_kv, view.groups, d, hidden)
         return cls(attention, view.values, w_heads)
@@ -74,22 +75,18 @@ class WindowPerturbation:
         """The kept sums of a keep mask (b, h_kv, t) bool: (b, h_kv, G, w, d + 1)."""
         return _weighted_sums(self.attention, self.values_and_one * keep[..., None])
 
-    def compressed(self, sums: torch.Tensor) -> torch.Tensor:
-        """ô W from kept sums (b, h_kv, G, ..., w, d + 1): (b, h_kv, G, ..., w, hidden); 0 where sigma = 0."""
-        return self.project(sums[..., :-1] / sums[..., -1:].clamp_min(torch.finfo(torch.float32).tiny))
+    def residual(self, sums: torch.Tensor) -> torch.Tensor:
+        """(ô - o) W from kept sums (b, h_kv, G, ..., w, d + 1): (b, h_kv, G, ..., w, hidden); ô = 0 where sigma = 0.
 
-    def _full_like(self, x: torch.Tensor) -> torch.Tensor:
-        """o W broadcastable against x (b, h_kv, G, ..., w, hidden)."""
-        b, h_kv, g, w, hidden = self.full.shape
-        return self.full.view(b, h_kv, g, *(1,) * (x.dim() - 5), w, hidden)
-
-    def distance(self, compressed: torch.Tensor) -> torch.Tensor:
-        """L from ô W (b, h_kv, G, ..., w, hidden): (b, h_kv, ...)."""
-        return (compressed - self._full_like(compressed)).abs_().sum(dim=(-1, -2)).sum(dim=2)
+        The difference is taken before the projection, where it is d wide instead of hidden wide.
+        """
+        b, h_kv, g, w, d = self.full.shape
+        full = self.full.view(b, h_kv, g, *(1,) * (sums.dim() - 5), w, d)
+        return self.project(_compressed(sums) - full)
 
     def loss_of(self, sums: torch.Tensor) -> torch.Tensor:
         """L for kept sums (b, h_kv, G, ..., w, d + 1): (b, h_kv, ...)."""
-        return self.distance(self.compressed(sums))
+        return _l1_consuming(self.residual(sums))
 
     def loss(self, keep: torch.Tensor) -> torch.Tensor:
         """L(S) for a keep mask (b, h_kv, t) bool: (b, h_kv)."""
@@ -100,21 +97,20 @@ class WindowPerturbation:
         sums: torch.Tensor,
         attention: torch.Tensor,
         values_and_one: torch.Tensor,
-        compressed: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """First-order decrease of L when an entry joins S (for one in S: the increase when it leaves): (b, h_kv, n).
 
         ``sums`` (b, h_kv, G, w, d + 1) are the current set's; ``attention`` (b, h_kv, G, w, n) and
         ``values_and_one`` (b, h_kv, n, d + 1) are the entries' columns of ``self.attention`` and
         ``self.values_and_one``. Adding i moves ô_gq by (A_gqi / sigma_gq)(V_i - ô_gq) to first order, so L drops by
-        about sum_gq (A_gqi / sigma_gq) s_gq . (V_i - ô_gq) W_O^g with s = sign((o - ô) W): one (n x Gw x (d + 1))
-        matmul. Reliable while no sign of (o - ô) W flips, i.e. for entries of small A_gqi / sigma_gq.
-        ``compressed``: ``self.compressed(sums)`` when the caller has it.
+        about sum_gq (A_gqi / sigma_gq) (s_gq W_O^gT) . (V_i - ô_gq) with s = sign((o - ô) W): one
+        (n x Gw x (d + 1)) matmul. Reliable while no sign of (o - ô) W flips, i.e. for entries of small
+        A_gqi / sigma_gq. ``residual``: ``self.residual(sums)`` when the caller has it.
         """
-        compressed = self.compressed(sums) if compressed is None else compressed  # (b, h_kv, G, w, hidden)
-        signs = (self.full - compressed).sign_()
-        back = torch.matmul(signs, self.w_heads.transpose(-1, -2))  # s W^T: (b, h_kv, G, w, d)
-        offset = (signs * compressed).sum(-1, keepdim=True)  # s . ô W: (b, h_kv, G, w, 1)
+        residual = self.residual(sums) if residual is None else residual  # (b, h_kv, G, w, hidden)
+        back = torch.matmul(residual.sign().neg_(), self.w_heads.transpose(-1, -2))  # s W^T: (b, h_kv, G, w, d)
+        offset = (back * _compressed(sums)).sum(-1, keepdim=True)  # s W^T . ô: (b, h_kv, G, w, 1)
         coefficients = torch.cat([back, -offset], dim=-1) * _inverse_mass(sums)[..., None]  # (b, h_kv, G, w, d + 1)
         b, h_kv, g, w, n = attention.shape
         per_entry = torch.matmul(
@@ -144,15 +140,16 @@ class WindowPerturbation:
         b, h_kv, t = keep.shape
         device = keep.device
         start_sums = self.kept_sums(keep)  # (b, h_kv, G, w, d + 1)
-        weight = (self.attention * _inverse_mass(start_sums)[..., None]).amax(dim=(2, 3))  # (b, h_kv, t)
-        free = free & (weight <= max_weight)
+        if max_weight < 1.0:
+            weight = (self.attention * _inverse_mass(start_sums)[..., None]).amax(dim=(2, 3))  # (b, h_kv, t)
+            free = free & (weight <= max_weight)
         addable, movable = free & ~keep, free & keep
         n = min(candidates, t)
         if n < 1 or pool < 1 or rounds < 1 or not bool((addable.any(-1) & movable.any(-1)).any()):
             return keep
-        compressed = self.compressed(start_sums)  # ô W of the current set: (b, h_kv, G, w, hidden)
-        start_loss = self.distance(compressed)  # (b, h_kv)
-        gain = self.gain(start_sums, self.attention, self.values_and_one, compressed)  # (b, h_kv, t)
+        residual = self.residual(start_sums)  # (ô - o) W of the current set: (b, h_kv, G, w, hidden)
+        start_loss = _l1_consuming(residual.clone())  # (b, h_kv)
+        gain = self.gain(start_sums, self.attention, self.values_and_one, residual)  # (b, h_kv, t)
         # the candidates, best first on each side: (b, h_kv, 2n) positions, and which of them are real candidates
         add_side = gain.masked_fill(~addable, -math.inf).topk(n, dim=-1).indices
         drop_side = gain.masked_fill(~movable, math.inf).topk(n, dim=-1, largest=False).indices
@@ -170,7 +167,7 @@ class WindowPerturbation:
         sums, in_set, current = start_sums, start_in_set, start_loss
         for round_ in range(rounds):
             if round_:
-                gain = self.gain(sums, attention, values_and_one, compressed)
+                gain = self.gain(sums, attention, values_and_one, residual)
             add = gain.masked_fill(~(member & ~in_set), -math.inf).topk(pool, dim=-1).indices  # (b, h_kv, P)
             drop = gain.masked_fill(~(member & in_set), math.inf).topk(pool, dim=-1, largest=False).indices
             pairs = torch.minimum((member & ~in_set).sum(-1), (member & in_set).sum(-1)).clamp(max=pool)  # (b, h_kv)
@@ -180,8 +177,7 @@ class WindowPerturbation:
                 v = values_and_one.gather(2, side[..., None].expand(b, h_kv, pool, width))  # (b, h_kv, P, d + 1)
                 change = change + sign * torch.einsum("bkgqp,jp,bkpe->bkgjqe", a, take, v)  # (b, h_kv, G, J, w, d+1)
             proposed = sums[:, :, :, None] + change
-            proposed_compressed = self.compressed(proposed)  # (b, h_kv, G, J, w, hidden)
-            losses = self.distance(proposed_compressed).masked_fill(sizes > pairs[..., None], math.inf)  # (b, h_kv, J)
+            losses = self.loss_of(proposed).masked_fill(sizes > pairs[..., None], math.inf)  # (b, h_kv, J)
             best, choice = losses.min(dim=-1)
             accept = best < current * (1 - _MIN_RELATIVE_GAIN)  # (b, h_kv)
             failed = ~accept & (pairs > 0)
@@ -197,8 +193,7 @@ class WindowPerturbation:
             pick = choice[:, :, None, None, None, None].expand(b, h_kv, g, 1, w, 1)
             taken = accept[:, :, None, None, None]
             sums = torch.where(taken, proposed.gather(3, pick.expand(-1, -1, -1, -1, -1, width))[:, :, :, 0], sums)
-            picked = proposed_compressed.gather(3, pick.expand(-1, -1, -1, -1, -1, compressed.shape[-1]))
-            compressed = torch.where(taken, picked[:, :, :, 0], compressed)
+            residual = self.residual(sums)
             current = torch.where(accept, best, current)
         # the sums drifted by float32 rounding over the rounds: judge the final set afresh against the start
         change = in_set.float() - start_in_set.float()  # (b, h_kv, 2n): +1 added, -1 dropped
@@ -213,6 +208,16 @@ def _weighted_sums(attention: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """sum_i A_gqi rows_i for attention (b, h_kv, G, w, n) and rows (b, h_kv, n, e): (b, h_kv, G, w, e)."""
     b, h_kv, g, w, n = attention.shape
     return torch.matmul(attention.reshape(b, h_kv, g * w, n), rows).view(b, h_kv, g, w, -1)
+
+
+def _l1_consuming(residual: torch.Tensor) -> torch.Tensor:
+    """L from (ô - o) W (b, h_kv, G, ..., w, hidden): (b, h_kv, ...). Overwrites ``residual`` (no copy)."""
+    return residual.abs_().sum(dim=(-1, -2)).sum(dim=2)
+
+
+def _compressed(sums: torch.Tensor) -> torch.Tensor:
+    """ô = kept sum / sigma from kept sums (..., d + 1), 0 where sigma = 0: (..., d)."""
+    return sums[..., :-1] / sums[..., -1:].clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def _inverse_mass(sums: torch.Tensor) -> torch.Tensor:
@@ -264,10 +269,10 @@ class PerturbationSelector:
 
     window: int = 32
     start: str = "topk"
-    pool: int = 64
-    rounds: int = 8
+    pool: int = 128
+    rounds: int = 3
     candidates: int = 256
-    max_weight: float = 0.03
+    max_weight: float = 1.0
     anchor: float = 0.5
     alpha: float = 0.5
     eps: float = 1e-4
