@@ -1,12 +1,80 @@
-"""Progress bars for long prefills: one step per decoder layer."""
+"""Progress reporting: a bar per decoder layer for long prefills, and step progress for long runs that also
+reads well in a log file (one line per step with the elapsed time and an ETA when the output is not a terminal)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich import get_console
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from torch import nn
+
+
+class Advance(Protocol):
+    def __call__(self, note: str = "", *, skipped: bool = False) -> None: ...
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+@contextmanager
+def step_progress(
+    description: str, total: int | None, enabled: bool = True, console: Console | None = None
+) -> Iterator[Advance]:
+    """Report ``total`` steps; yields ``advance(note="", skipped=False)``, called once per finished step.
+
+    In a terminal: a rich bar with elapsed time and ETA. Otherwise (a log file, a batch job): one plain line per
+    step, ``description: done/total note (elapsed H:MM:SS, ETA H:MM:SS)``; steps marked ``skipped`` (results
+    already on disk) count towards ``done`` but not towards the rate the ETA is computed from.
+    """
+    console = console or get_console()
+    if not enabled:
+        yield lambda note="", *, skipped=False: None
+        return
+    if console.is_terminal:
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, console=console) as progress:
+            task = progress.add_task(description, total=total)
+            yield lambda note="", *, skipped=False: progress.advance(task)
+        return
+    start = time.perf_counter()
+    counts = {"done": 0, "worked": 0}
+
+    def advance(note: str = "", *, skipped: bool = False) -> None:
+        counts["done"] += 1
+        if skipped:
+            return
+        counts["worked"] += 1
+        elapsed = time.perf_counter() - start
+        line = f"{description}: {counts['done']}/{total if total is not None else '?'}"
+        line += f" {note}" if note else ""
+        timing = f"elapsed {_clock(elapsed)}"
+        if total is not None:
+            timing += f", ETA {_clock(elapsed / counts['worked'] * max(total - counts['done'], 0))}"
+        console.print(f"{line} ({timing})", highlight=False, markup=False, soft_wrap=True)
+
+    yield advance
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -22,6 +22,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from criticalkv.errors import CriticalKVError
 from criticalkv.models.families import head_dim, text_config
+from criticalkv.progress import step_progress
 
 FORMAT = "criticalkv-head-profile/1"
 #: Shape fields a profile must share with a model's config to be used on it.
@@ -362,14 +363,7 @@ def calibrate_head_profile(
     top1_sum = torch.zeros(layers, h_q, dtype=torch.float64)
     start = time.perf_counter()
 
-    bar = None
-    if progress:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        bar = Progress(TextColumn("calibrating heads"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        bar.start()
-        task = bar.add_task("", total=len(jobs))
-    try:
+    with step_progress("calibrating heads", len(jobs), enabled=progress) as advance:
         for n, depth, sample_seed in jobs:
             sample = build_needle_sample(tokenizer, n, depth, seed=sample_seed)
             prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
@@ -383,11 +377,7 @@ def calibrate_head_profile(
             top_k, top_1 = _sample_hits(model, prefix_ids + suffix_ids, answer, span, copy)
             topk_sum += top_k.double().cpu()
             top1_sum += top_1.double().cpu()
-            if bar is not None:
-                bar.advance(task)
-    finally:
-        if bar is not None:
-            bar.stop()
+            advance(f"{n} tokens, depth {depth:.2f}")
 
     query_scores = topk_sum / len(jobs)  # (layers, h_q)
     importance = query_scores.view(layers, h_kv, h_q // h_kv).mean(-1) + floor  # (layers, h_kv)

@@ -19,7 +19,6 @@ import torch
 import transformers
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from criticalkv.analysis.capture import capture
@@ -37,6 +36,7 @@ from criticalkv.analysis.plots import file_stem, plot_hidden, plot_layers, plot_
 from criticalkv.budget import Budget
 from criticalkv.errors import CriticalKVError
 from criticalkv.methods import build_method
+from criticalkv.progress import step_progress
 
 __all__ = [
     "Prompt",
@@ -390,19 +390,11 @@ def run_analysis(
                 raise CriticalKVError(f"--prompts must be 'essays' or a text file / folder, got {prompts!r}")
             prompt_list = text_prompts(tokenizer, source, n, length)
         eos = tokenizer.eos_token_id
-        columns = (
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-        )
-        with Progress(*columns, console=console, disable=not progress) as bar:
-            task = bar.add_task("perturbation", total=len(prompt_list) * len(names) * len(parsed))
+        total = len(prompt_list) * len(names) * len(parsed)
+        with step_progress("perturbation", total, enabled=progress, console=console) as advance:
             for prompt in prompt_list:
                 context = prompt.context_ids + (prompt.question_ids if mode == "aware" else [])
                 question = None if mode == "aware" else torch.tensor([prompt.question_ids])
-                bar.update(task, description=f"prompt {prompt.index}: full-cache capture ({len(context)} tokens)")
                 captured = capture(lm, torch.tensor([context]), question, generate=generate, eos_token_id=eos)
                 info = {
                     **prompt.info,
@@ -420,7 +412,7 @@ def run_analysis(
                     prompt.index,
                     info,
                     hidden=hidden,
-                    advance=lambda text: bar.update(task, advance=1, description=text),
+                    advance=advance,
                     one_forward=not stepwise,
                     window=window_queries,
                 )

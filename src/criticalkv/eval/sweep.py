@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Protocol, TextIO
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from criticalkv.budget import Budget
 from criticalkv.distributed.layout import ParallelLayout
 from criticalkv.eval.needle import chat_prompt_parts, encode_prompt_parts
 from criticalkv.methods import build_method
+from criticalkv.progress import step_progress
 from criticalkv.runtime.shared_prefill import SharedPrefill
 
 REGIMES = ("agnostic", "aware")
@@ -79,28 +79,20 @@ def run_sweep(
     path = out_dir / "results.jsonl"
     done = layout.from_main(_done_samples(path, regime, {label for label, _, _ in pairs}) if layout.is_main else None)
     rows: list[Row] = []
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-    )
     if layout.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-    with Progress(*columns, disable=not layout.is_main) as progress, _sink(path, layout.is_main) as sink:
-        bar = progress.add_task(f"{regime} sweep, {len(pairs)} pairs", total=total)
+    description = f"{regime} sweep, {len(pairs)} pairs"
+    with step_progress(description, total, enabled=layout.is_main) as advance, _sink(path, layout.is_main) as sink:
         for sample in samples:
             if (sample.task, sample.index) in done:
-                progress.advance(bar)
+                advance(f"{sample.task} #{sample.index} (on disk)", skipped=True)
                 continue
             sample_rows = _answer(model, tokenizer, sample, score, pairs, regime, max_new_tokens(sample), layout)
             for row in sample_rows:
                 sink.write(json.dumps(asdict(row)) + "\n")
             sink.flush()
             rows.extend(sample_rows)
-            progress.advance(bar)
+            advance(f"{sample.task} #{sample.index}")
     return rows
 
 

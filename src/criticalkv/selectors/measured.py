@@ -122,8 +122,8 @@ class WindowPerturbation:
         self,
         keep: torch.Tensor,
         free: torch.Tensor,
-        pool: int = 64,
-        rounds: int = 8,
+        pool: int = 128,
+        rounds: int = 3,
         candidates: int = 256,
         max_weight: float = 1.0,
     ) -> torch.Tensor:
