@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 import criticalkv
 from criticalkv.allocators import (
@@ -28,6 +28,7 @@ from criticalkv.allocators import head_profile as head_profile_module
 from criticalkv.allocators.pyramid import pyramid_budgets
 from criticalkv.errors import BudgetError, CriticalKVError
 from criticalkv.methods import PRESETS, build_method
+from criticalkv.models.presets import PRESETS as MODEL_PRESETS
 from criticalkv.runtime.method import Method
 from criticalkv.scorers import LayerView, SnapKVScorer
 from criticalkv.selectors import CriticalSelector, TopKSelector
@@ -326,6 +327,22 @@ def test_load_profile_finds_shipped_and_user_profiles(tmp_path, monkeypatch):
         load_profile(tiny)
     _profile(tiny).save(tmp_path / "tiny.json")  # a user-calibrated profile is found next time
     assert load_profile(tiny).name == "test"
+
+
+@pytest.mark.parametrize("preset", [p.name for p in MODEL_PRESETS.values()])
+def test_every_model_preset_ships_a_head_profile_of_its_shape(tmp_path, monkeypatch, preset):
+    monkeypatch.setattr(head_profile_module, "user_profile_dir", lambda: tmp_path)  # shipped profiles only
+    arch = MODEL_PRESETS[preset].architecture
+    config = AutoConfig.for_model(
+        arch.model_type,
+        num_hidden_layers=arch.layers,
+        num_attention_heads=arch.heads,
+        num_key_value_heads=arch.kv_heads,
+        hidden_size=arch.heads * arch.head_dim,
+    )
+    profile = load_profile(config)
+    assert profile.name == preset and profile.matrix.shape == (arch.layers, arch.kv_heads)
+    assert profile.measurement["samples"] >= 1 and bool((profile.matrix > 0).all())
 
 
 # --------------------------------------------------------------------------------------------------------------
