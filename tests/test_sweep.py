@@ -101,6 +101,9 @@ def test_report_tables_and_loss(tmp_path):
     text = report.read_text()
     assert "| snapkv | 0.2 | 40.0 | 40.0 | 40.0 | 50.0% |" in text
     assert (tmp_path / "score_vs_budget_agnostic.png").stat().st_size > 1000
+    assert "Samples per task: 2." in text
+    assert "![compression loss, question-agnostic](loss_agnostic.png)" in text
+    assert (tmp_path / "loss_agnostic.png").stat().st_size > 1000
     assert (tmp_path / "summary.csv").read_text().count("\n") == 4
 
 

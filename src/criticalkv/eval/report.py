@@ -63,8 +63,12 @@ def write_report(results_dir: Path, title: str = "") -> Path:
             )
     lines = [f"# {title or 'Sweep results'}", ""]
     for regime in sorted({e["regime"] for e in summary["rows"]}):
+        counts = sorted({e["samples"] // max(len(e["tasks"]), 1) for e in summary["rows"] if e["regime"] == regime})
+        per_task = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
         lines += [
             f"## question-{regime}",
+            "",
+            f"Samples per task: {per_task}. Loss: (full - method) / full, on the same samples.",
             "",
             "| method | budget | " + " | ".join(tasks) + " | mean | loss |",
             "|---|---|" + "---|" * (len(tasks) + 2),
@@ -77,6 +81,8 @@ def write_report(results_dir: Path, title: str = "") -> Path:
         lines.append("")
         _plot_regime(summary, regime, results_dir / f"score_vs_budget_{regime}.png")
         lines += [f"![score against budget, question-{regime}](score_vs_budget_{regime}.png)", ""]
+        if _plot_loss(summary, regime, results_dir / f"loss_{regime}.png"):
+            lines += [f"![compression loss, question-{regime}](loss_{regime}.png)", ""]
     path = results_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
@@ -101,3 +107,28 @@ def _plot_regime(summary: dict, regime: str, path: Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _plot_loss(summary: dict, regime: str, path: Path) -> bool:
+    """Horizontal bars of the compression loss of every (method, budget) of a regime; False if there is none."""
+    rows = [e for e in summary["rows"] if e["regime"] == regime and e["method"] != "full" and e["loss"] is not None]
+    if not rows:
+        return False
+    rows.sort(
+        key=lambda e: (float(e["budget"]), e["method"].removeprefix("critical-"), e["method"].startswith("critical-"))
+    )
+    labels = [f"{e['method']} @ {e['budget']}" for e in rows]
+    losses = [100 * e["loss"] for e in rows]
+    colors = ["tab:orange" if e["method"].startswith("critical-") else "tab:blue" for e in rows]
+    fig = Figure(figsize=(6.4, 0.8 + 0.28 * len(rows)))
+    ax = fig.subplots()
+    ax.barh(range(len(rows)), losses, color=colors)
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.set_xlabel("compression loss against the full cache (%)")
+    ax.set_title(f"question-{regime} (orange: CriticalKV versions)")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
