@@ -208,7 +208,9 @@ class ReconstructionScorer:
         appends about this many tokens to the cache and is trimmed off before the next.
     query_stride
         Score from every ``query_stride``-th reconstruction query only (1: all). The passes still run every
-        token (the model needs them); the stride saves the probe's attention recomputation.
+        token (the model needs them); the stride saves the probe's attention recomputation. It costs quality: the
+        query that copies a context token is that token's strongest witness, and a stride skips it for most
+        tokens (docs/results.md, reconstruction scorer on Qwen2.5-0.5B).
     sinks
         First tokens of each row always kept (kvpress's ``n_sink``), also when no chat template is found.
     tokenizer
