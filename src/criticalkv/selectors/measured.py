@@ -122,10 +122,10 @@ class WindowPerturbation:
         self,
         keep: torch.Tensor,
         free: torch.Tensor,
-        pool: int = 128,
-        rounds: int = 3,
+        pool: int = 64,
+        rounds: int = 8,
         candidates: int = 256,
-        max_weight: float = 1.0,
+        max_weight: float = 0.03,
     ) -> torch.Tensor:
         """Lower L by swaps of entries of ``free`` (b, h_kv, t) or (b, 1, t) bool in and out of ``keep``.
 
@@ -269,10 +269,10 @@ class PerturbationSelector:
 
     window: int = 32
     start: str = "topk"
-    pool: int = 128
-    rounds: int = 3
+    pool: int = 64
+    rounds: int = 8
     candidates: int = 256
-    max_weight: float = 1.0
+    max_weight: float = 0.03
     anchor: float = 0.5
     alpha: float = 0.5
     eps: float = 1e-4
