@@ -55,6 +55,7 @@ __all__ = [
     "choose_path",
     "flash_reasons",
     "flash_varlen_attention",
+    "one_call_attention",
     "padded_attention",
     "uniform_attention",
 ]
@@ -69,6 +70,45 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
 
 VarlenKernel = Callable[..., torch.Tensor]
+
+
+# --- one SDPA call over dense segments (the uniform and padded paths) --------------------------------------
+
+
+def one_call_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor | None,
+    tail_mask: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """One SDPA call over every segment laid out densely: its context slots, then its tail.
+
+    query (b, h_q, q, d); keys, values (b, h_kv, width + tail, d); valid (b, h_kv, width) bool, which context slots
+    are real (None: all are); tail_mask (b, 1, q, tail) bool. The G query heads of a KV head are folded into the
+    query axis (keys never repeated). The mask is one row broadcast over the queries when every query reads the
+    whole tail (a decode step), and absent when moreover every context slot is real. Returns (b, q, h_q, d).
+    """
+    b, h_q, q, d = query.shape
+    h_kv = keys.shape[1]
+    g = h_q // h_kv
+    tail = tail_mask.shape[-1]
+    width = keys.shape[2] - tail
+    mask = None
+    if bool(tail_mask.all()):  # every query reads every tail entry
+        if valid is not None:
+            mask = torch.cat([valid, valid.new_ones(b, h_kv, tail)], dim=-1)[:, :, None]  # (b, h_kv, 1, width + tail)
+    else:
+        heads = 1 if valid is None else h_kv
+        context = tail_mask.new_ones(b, 1, 1, width) if valid is None else valid[:, :, None]
+        folded_tail = tail_mask[:, :, None].expand(b, 1, g, q, tail).reshape(b, 1, g * q, tail)
+        mask = torch.cat(
+            [context.expand(b, heads, g * q, width), folded_tail.expand(b, heads, g * q, tail)], dim=-1
+        )  # (b, 1 or h_kv, G*q, width + tail)
+    folded = query.reshape(b, h_kv, g * q, d)  # query heads of a KV head are adjacent
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
+    return out.view(b, h_q, q, d).transpose(1, 2)
 
 
 # --- the uniform path ------------------------------------------------------------------------------------------
@@ -100,19 +140,10 @@ def uniform_attention(
     width = uniform_width(layer)
     if width is None:
         raise CriticalKVError("the uniform attention path needs every segment to keep the same number of entries")
-    b, h_q, q, d = query.shape
-    h_kv = layer.lengths.shape[1]
-    g = h_q // h_kv
-    tail = tail_keys.shape[2]
+    b, h_kv, _, d = tail_keys.shape
     keys = torch.cat([layer.context_keys.view(b, h_kv, width, d), tail_keys], dim=2)  # (b, h_kv, L + tail, d)
     values = torch.cat([layer.context_values.view(b, h_kv, width, d), tail_values], dim=2)
-    mask = None
-    if not bool(tail_mask.all()):  # a query must not read some tail entries (causal question, padding)
-        folded_tail = tail_mask[:, :, None].expand(b, 1, g, q, tail).reshape(b, 1, g * q, tail)
-        mask = torch.cat([folded_tail.new_ones(b, 1, g * q, width), folded_tail], dim=-1)  # (b, 1, G*q, L + tail)
-    folded = query.reshape(b, h_kv, g * q, d)  # query heads of a KV head are adjacent
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
-    return out.view(b, h_q, q, d).transpose(1, 2)
+    return one_call_attention(query, keys, values, None, tail_mask, scaling)
 
 
 # --- the padded path --------------------------------------------------------------------------------------------
@@ -159,26 +190,12 @@ def padded_attention(
     and values of (b * h_kv) x (max_len + tail) entries, and a (b, h_kv, G * q, max_len + tail) bool mask (one
     row instead of G * q when every query reads the whole tail, as at a decode step).
     """
-    b, h_q, q, d = query.shape
-    h_kv = layer.lengths.shape[1]
-    g = h_q // h_kv
-    tail = tail_keys.shape[2]
     keys, values, valid = padded_segments(layer, tail_keys, tail_values)  # (b, h_kv, max_len + tail, d)
-    width = valid.shape[-1]
-    if bool(tail_mask.all()):  # every query reads every tail entry: one mask row, broadcast over the queries
-        mask = torch.cat([valid, valid.new_ones(b, h_kv, tail)], dim=-1)[:, :, None]  # (b, h_kv, 1, max_len + tail)
-    else:
-        folded_tail = tail_mask[:, :, None].expand(b, 1, g, q, tail).reshape(b, 1, g * q, tail)
-        mask = torch.cat(
-            [valid[:, :, None].expand(b, h_kv, g * q, width), folded_tail.expand(b, h_kv, g * q, tail)], dim=-1
-        )  # (b, h_kv, G*q, max_len + tail)
-    folded = query.reshape(b, h_kv, g * q, d)  # query heads of a KV head are adjacent
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
-    return out.view(b, h_q, q, d).transpose(1, 2)
+    return one_call_attention(query, keys, values, valid, tail_mask, scaling)
 
 
 def padding_fits(layer: CompressedLayer, tail: int) -> bool:
-    """Whether the padded path may run on this layer (rule 3 of the module docstring): its padded keys hold at
+    """Whether the padded path may run on this layer (rule 4 of the module docstring): its padded keys hold at
     most ``PADDING_FACTOR`` x the entries the layer stores and, on CPU, at most ``CPU_PADDED_MAX_BYTES``."""
     segments = layer.lengths.numel()
     width = int(layer.lengths.max()) if segments else 0
