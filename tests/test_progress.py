@@ -44,5 +44,5 @@ def test_terminal_gets_a_bar_that_counts_every_step():
     console = Console(file=buffer, force_terminal=True, width=120)
     with step_progress("sweep", 2, console=console) as advance:
         advance("a", skipped=True)
-        advance("b")
-    assert "2/2" in buffer.getvalue()
+        advance("qa_1 #7")
+    assert "2/2" in buffer.getvalue() and "sweep: qa_1 #7" in buffer.getvalue()

@@ -37,9 +37,10 @@ def step_progress(
 ) -> Iterator[Advance]:
     """Report ``total`` steps; yields ``advance(note="", skipped=False)``, called once per finished step.
 
-    In a terminal: a rich bar with elapsed time and ETA. Otherwise (a log file, a batch job): one plain line per
-    step, ``description: done/total note (elapsed H:MM:SS, ETA H:MM:SS)``; steps marked ``skipped`` (results
-    already on disk) count towards ``done`` but not towards the rate the ETA is computed from.
+    In a terminal: a rich bar with elapsed time and ETA, described by the last step's note. Otherwise (a log file,
+    a batch job): one plain line per step, ``description: done/total note (elapsed H:MM:SS, ETA H:MM:SS)``; steps
+    marked ``skipped`` (results already on disk) count towards ``done`` but not towards the rate the ETA is
+    computed from.
     """
     console = console or get_console()
     if not enabled:
@@ -56,7 +57,9 @@ def step_progress(
         )
         with Progress(*columns, console=console) as progress:
             task = progress.add_task(description, total=total)
-            yield lambda note="", *, skipped=False: progress.advance(task)
+            yield lambda note="", *, skipped=False: progress.update(
+                task, advance=1, description=f"{description}: {note}" if note else description
+            )
         return
     start = time.perf_counter()
     counts = {"done": 0, "worked": 0}
