@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 
+from criticalkv.errors import CacheStateError
 from criticalkv.runtime.session import ContextSession
 from criticalkv.runtime.shared_prefill import SharedPrefill
 
@@ -54,3 +55,37 @@ def test_shared_prefill_equals_separate_runs(kind):
             got = sessions[label].ask(question, max_new_tokens=6)
             assert torch.equal(got.tokens, expected.tokens), label
         assert sessions[label].kv_entries() == alone.kv_entries(), label
+
+
+STACKED_PAIRS = [*PAIRS, ("adakv-0.3", "adakv", 0.3), ("critical-adakv-0.2", "critical-adakv", 0.2)]
+
+
+@pytest.mark.parametrize("ask_question", [True, False])
+def test_stacked_sessions_answer_as_each_alone(ask_question):
+    """The pairs of one prompt answering as the rows of one batch (the full cache's dense layers among them, AdaKV's
+    uneven segments too) give each pair's own answer, and asking again gives it again."""
+    model = _model("llama")
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 256, (1, 120), generator=g)
+    question = torch.randint(0, 256, (1, 5), generator=g) if ask_question else None
+    sessions = SharedPrefill(model, STACKED_PAIRS).prefill(ids)
+    expected = [sessions[label].ask(question, max_new_tokens=8).tokens for label, _, _ in STACKED_PAIRS]
+    stacked = ContextSession.stacked([sessions[label] for label, _, _ in STACKED_PAIRS])
+    assert stacked.kv_entries() == sum(sessions[label].kv_entries() for label, _, _ in STACKED_PAIRS)
+    rows = None if question is None else question.expand(len(STACKED_PAIRS), -1)
+    for _ in range(2):
+        got = stacked.ask(rows, max_new_tokens=8).tokens
+        assert torch.equal(got, torch.cat(expected)), [label for label, _, _ in STACKED_PAIRS]
+
+
+def test_stacking_refuses_what_does_not_stack():
+    g = torch.Generator().manual_seed(3)
+    model = _model("llama")
+    short = SharedPrefill(model, PAIRS[:2]).prefill(torch.randint(0, 256, (1, 60), generator=g))
+    long = SharedPrefill(model, PAIRS[:2]).prefill(torch.randint(0, 256, (1, 80), generator=g))
+    with pytest.raises(ValueError, match="same unpadded prompt"):
+        ContextSession.stacked([short["snapkv-0.3"], long["snapkv-0.3"]])
+    gemma = SharedPrefill(_model("gemma3"), PAIRS[:2]).prefill(torch.randint(0, 256, (1, 60), generator=g))
+    assert not gemma["snapkv-0.3"].cache.stackable()
+    with pytest.raises(CacheStateError, match="cannot be stacked"):
+        ContextSession.stacked([gemma["full"], gemma["snapkv-0.3"]])

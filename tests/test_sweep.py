@@ -46,8 +46,11 @@ def _score(sample, prediction):
     return 100.0 * (sample.answer in prediction)
 
 
-def test_sweep_resumes_and_matches_separate_runs(tmp_path, tiny_tokenizer):
+def test_sweep_resumes_and_matches_separate_runs(tmp_path, tiny_tokenizer, monkeypatch):
     model, samples = _setup(tiny_tokenizer)
+    batches = []
+    stacked = ContextSession.stacked
+    monkeypatch.setattr(ContextSession, "stacked", lambda sessions: batches.append(len(sessions)) or stacked(sessions))
     budgets = [Budget(0.3), Budget(0.6)]
     kwargs = dict(
         methods=["snapkv", "critical-snapkv"],
@@ -59,6 +62,7 @@ def test_sweep_resumes_and_matches_separate_runs(tmp_path, tiny_tokenizer):
     run_sweep(model, tiny_tokenizer, samples[:2], _score, **kwargs)  # "interrupted" after two samples
     rows = run_sweep(model, tiny_tokenizer, samples, _score, **kwargs)
     assert {r.index for r in rows} == {2}  # only the missing sample ran
+    assert batches == [4, 4, 4]  # the four compressed pairs of each sample answered as one batch
     stored = load_rows(tmp_path / "results.jsonl")
     assert len(stored) == 3 * (1 + 2 * 2)
     # each stored answer equals a separate, unshared run of that pair

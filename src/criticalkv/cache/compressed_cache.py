@@ -66,3 +66,26 @@ class CompressedCache(Cache):
             elif getattr(layer, "is_initialized", False) and layer.keys is not None:  # DummyLayer: no keys
                 total += layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2]
         return total
+
+    @classmethod
+    def stack(cls, caches: list[CompressedCache]) -> CompressedCache:
+        """The rows of several caches of one prompt as one batch (``CompressedLayer.stack``, layer by layer), so
+        that they answer one question in one decode. Caches with sliding-window layers cannot be stacked."""
+        if not caches:
+            raise CacheStateError("nothing to stack")
+        out = cls.__new__(cls)
+        layers = []
+        for index, group in enumerate(zip(*(cache.layers for cache in caches), strict=True)):
+            if all(isinstance(layer, DummyLayer) for layer in group):  # another pipeline stage's layer
+                layers.append(DummyLayer())
+            elif all(isinstance(layer, CompressedLayer) for layer in group):
+                layers.append(CompressedLayer.stack(list(group)))
+            else:
+                raise CacheStateError(f"layer {index} is not a compressed layer in every cache: it cannot be stacked")
+        Cache.__init__(out, layers=layers)
+        out.compressor = caches[0].compressor
+        return out
+
+    def stackable(self) -> bool:
+        """Whether ``stack`` takes this cache: every layer compressed (or another pipeline stage's)."""
+        return all(isinstance(layer, CompressedLayer | DummyLayer) for layer in self.layers)

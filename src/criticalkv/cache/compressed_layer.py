@@ -162,6 +162,44 @@ class CompressedLayer(CacheLayerMixin):
         self.context_values = self.context_values[keep]
         self.lengths = counts.view_as(self.lengths)
 
+    @classmethod
+    def stack(cls, layers: list[CompressedLayer]) -> CompressedLayer:
+        """The rows of several layers as one batch, rows in order, each row's segments as they are.
+
+        Every layer must hold the same prompt with nothing appended after it (right after a prefill or a
+        ``rewind``): the same logical length, no tail. A dense layer (the full cache, or a layer a method kept
+        whole) enters as a compressed one that keeps every entry, so a batch can mix both. The tensors are copied
+        into new flat buffers; the layers themselves are left as they are.
+        """
+        if not layers:
+            raise CacheStateError("nothing to stack")
+        seen = {layer.seen for layer in layers}
+        if len(seen) != 1 or any(not layer.is_initialized for layer in layers):
+            raise CacheStateError(f"stacked layers must hold the same prompt; their lengths are {sorted(seen)}")
+        if any(layer.is_compressed and layer.tail for layer in layers):
+            raise CacheStateError("stacked layers must have nothing appended after their context: rewind first")
+        keys, values, lengths = [], [], []
+        for layer in layers:
+            if layer.is_compressed:
+                keys.append(layer.context_keys)
+                values.append(layer.context_values)
+                lengths.append(layer.lengths)
+            else:  # dense: every entry of every segment, in the flat order (segment by segment)
+                b, h, _, d = layer.keys.shape  # the buffer may have room beyond the prompt after an answer
+                keys.append(layer.keys[:, :, : layer.tail].reshape(-1, d))
+                values.append(layer.values[:, :, : layer.tail].reshape(-1, d))
+                lengths.append(torch.full((b, h), layer.tail, dtype=torch.long, device=layer.keys.device))
+        first = layers[0]
+        out = cls()
+        out.device, out.is_initialized = first.device, True
+        out.context_keys, out.context_values = torch.cat(keys), torch.cat(values)  # (N, d)
+        out.lengths = torch.cat(lengths)  # (rows, h_kv)
+        rows, h, d = out.lengths.shape[0], out.lengths.shape[1], out.context_keys.shape[-1]
+        out.keys = out.context_keys.new_empty((rows, h, 0, d))
+        out.values = out.context_values.new_empty((rows, h, 0, d))
+        out.seen = out.context_seen = first.seen
+        return out
+
     def offsets(self) -> torch.Tensor:
         """Start of each segment in the flat context: (b * h_kv + 1,) long."""
         counts = self.lengths.flatten()

@@ -30,6 +30,12 @@ def _fail(error: Exception) -> None:
     raise typer.Exit(2) from None
 
 
+_BATCH_HELP = (
+    "The compressed pairs of a sample answer as the rows of one batched decode (several times faster on a CPU); "
+    "--no-batch-answers: one after the other. The full cache always answers alone."
+)
+
+
 @app.command()
 def ruler(
     model: Annotated[str, typer.Option(help="Preset name, local folder or hub id.")] = DEFAULT_PRESET,
@@ -44,6 +50,7 @@ def ruler(
     max_new_tokens: Annotated[int, typer.Option(help="Cap on generated tokens (0: RULER's per task).")] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the generated samples.")] = 0,
     out: Annotated[Path | None, typer.Option(help="Results folder (resumes if it has results).")] = None,
+    batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = True,
 ) -> None:
     """RULER's 13 tasks: every method and budget against the full cache, with compression loss."""
     from criticalkv.eval import ruler as ruler_data
@@ -80,6 +87,7 @@ def ruler(
             folder,
             budget_of,
             total=len(chosen) * samples,
+            batch_answers=batch_answers,
         )
     except CriticalKVError as error:
         _fail(error)
@@ -107,6 +115,7 @@ def needle(
     question_aware: Annotated[bool, typer.Option(help="Compress the question with the context.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of the needles.")] = 0,
     out: Annotated[Path | None, typer.Option(help="Results folder.")] = None,
+    batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = True,
 ) -> None:
     """Needle in a haystack over depths x lengths: one heatmap per method."""
     from criticalkv.eval.needle_grid import needle_grid, plot_heatmap
@@ -134,6 +143,7 @@ def needle(
             folder,
             lambda s: 16,
             total=len(items),
+            batch_answers=batch_answers,
         )
     except CriticalKVError as error:
         _fail(error)

@@ -21,6 +21,7 @@ from criticalkv.distributed.layout import ParallelLayout
 from criticalkv.eval.needle import chat_prompt_parts, encode_prompt_parts
 from criticalkv.methods import build_method
 from criticalkv.progress import step_progress
+from criticalkv.runtime.session import ContextSession
 from criticalkv.runtime.shared_prefill import SharedPrefill
 
 REGIMES = ("agnostic", "aware")
@@ -66,8 +67,14 @@ def run_sweep(
     out_dir: Path,
     max_new_tokens: Callable[[Sample], int],
     total: int | None = None,
+    batch_answers: bool = True,
 ) -> list[Row]:
-    """Answer every sample with the full cache and every (method, budget) pair; append rows to results.jsonl."""
+    """Answer every sample with the full cache and every (method, budget) pair; append rows to results.jsonl.
+
+    With ``batch_answers`` the compressed pairs of a sample answer together, as the rows of one batched decode
+    (``ContextSession.stacked``); the full cache always answers alone, on the model's own dense attention.
+    Batched rows read the same entries as separate runs; only float rounding of the batched products differs.
+    """
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
     for method in methods:
@@ -87,7 +94,9 @@ def run_sweep(
             if (sample.task, sample.index) in done:
                 advance(f"{sample.task} #{sample.index} (on disk)", skipped=True)
                 continue
-            sample_rows = _answer(model, tokenizer, sample, score, pairs, regime, max_new_tokens(sample), layout)
+            sample_rows = _answer(
+                model, tokenizer, sample, score, pairs, regime, max_new_tokens(sample), layout, batch_answers
+            )
             for row in sample_rows:
                 sink.write(json.dumps(asdict(row)) + "\n")
             sink.flush()
@@ -98,37 +107,55 @@ def run_sweep(
 
 @torch.no_grad()
 def _answer(
-    model, tokenizer, sample: Sample, score, pairs, regime: str, max_new_tokens: int, layout: ParallelLayout
+    model,
+    tokenizer,
+    sample: Sample,
+    score,
+    pairs,
+    regime: str,
+    max_new_tokens: int,
+    layout: ParallelLayout,
+    batch_answers: bool,
 ) -> list[Row]:
     prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
     prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
     prompt = prefix_ids + suffix_ids if regime == "aware" else prefix_ids
     device = next(model.parameters()).device
-    question = None if regime == "aware" else torch.tensor([suffix_ids], device=device)
     sessions = SharedPrefill(model, [(label, method, budget) for label, method, budget in pairs]).prefill(
         torch.tensor([prompt], device=device)
     )
     full_entries = layout.total(sessions["full"].kv_entries())  # the whole model's, every rank's part counted
-    rows = []
-    for label, method, budget in pairs:
-        session = sessions[label]
-        kept = layout.total(session.kv_entries()) / full_entries
+    kept = {label: layout.total(session.kv_entries()) / full_entries for label, session in sessions.items()}
+    texts = {}
+    for group in _answer_groups(pairs, sessions, batch_answers):
+        session = sessions[group[0]] if len(group) == 1 else ContextSession.stacked([sessions[g] for g in group])
+        question = None if regime == "aware" else torch.tensor([suffix_ids], device=device).expand(len(group), -1)
         generation = session.ask(question, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id)
-        text = tokenizer.decode(generation.tokens[0], skip_special_tokens=True).strip()
-        rows.append(
-            Row(
-                sample.task,
-                sample.index,
-                regime,
-                method,
-                budget.value,
-                score(sample, text),
-                text,
-                len(prefix_ids) + len(suffix_ids),
-                kept,
-            )
+        for label, tokens in zip(group, generation.tokens, strict=True):
+            texts[label] = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+    return [
+        Row(
+            sample.task,
+            sample.index,
+            regime,
+            method,
+            budget.value,
+            score(sample, texts[label]),
+            texts[label],
+            len(prefix_ids) + len(suffix_ids),
+            kept[label],
         )
-    return rows
+        for label, method, budget in pairs
+    ]
+
+
+def _answer_groups(pairs, sessions: dict[str, ContextSession], batch_answers: bool) -> list[list[str]]:
+    """Labels that answer together: the full cache alone, then every compressed pair in one batch (or each alone
+    without ``batch_answers``, or when a cache has sliding-window layers, which do not stack)."""
+    compressed = [label for label, _, _ in pairs if label != "full"]
+    if not (batch_answers and all(sessions[label].cache.stackable() for label in compressed)):
+        return [["full"]] + [[label] for label in compressed]
+    return [["full"]] + ([compressed] if compressed else [])
 
 
 @contextmanager

@@ -10,6 +10,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
 
 from criticalkv.budget import Budget
+from criticalkv.cache import CompressedCache
 from criticalkv.runtime.api import make_compressor
 from criticalkv.runtime.compressor import Compressor
 from criticalkv.runtime.method import Method
@@ -70,6 +71,24 @@ class ContextSession:
         session.last_logits = last_logits
         session.prefill_seconds = float("nan")
         return session
+
+    @classmethod
+    def stacked(cls, sessions: list[ContextSession]) -> ContextSession:
+        """One session whose batch rows are the rows of ``sessions``, in order: sessions of one prompt
+        (``SharedPrefill``'s, one per method) answer one question in a single batched decode.
+
+        Every session must hold the same unpadded prompt in a stackable ``CompressedCache`` (``CompressedCache.stack``)
+        with nothing asked yet; the sessions themselves are left as they are.
+        """
+        first = sessions[0]
+        if any(s.cache is None or s.mask.shape != first.mask.shape or not bool(s.mask.all()) for s in sessions):
+            raise ValueError("stacked sessions must hold the same unpadded prompt")
+        if any(s.model is not first.model for s in sessions):
+            raise ValueError("stacked sessions must share one model")
+        cache = CompressedCache.stack([s.cache for s in sessions])
+        mask = torch.cat([s.mask for s in sessions])  # (rows, t)
+        last = torch.cat([s.last_logits for s in sessions])  # (rows, vocab)
+        return cls.from_cache(first.model, first.compressor, cache, mask, last)
 
     # --- phases ------------------------------------------------------------------------------------------------
     @torch.no_grad()
