@@ -163,6 +163,28 @@ def test_cli_run_under_torchrun(tiny_root: Path, monkeypatch):
         assert len(got["kv_bytes_per_rank"]) == 2
 
 
+def test_eval_under_torchrun_batches_answers_as_one_process(tiny_root: Path, monkeypatch):
+    """``criticalkv eval needle`` split over 2 ranks, the compressed pairs answering as one batch on each rank's
+    head shard, stores the answers of one process; only rank 0 writes."""
+    args = ["eval", "needle", "--model", str(tiny_root / "model"), "--methods", "snapkv,critical-adakv"]
+    args += ["--budget", "0.3", "--lengths", "300", "--depths", "0,1"]
+    _torchrun(tiny_root, "criticalkv.cli", *args, "--out", str(tiny_root / "needle-split"))
+    monkeypatch.setenv("CRITICALKV_CACHE_DIR", str(tiny_root / "cache"))
+    single = CliRunner().invoke(app, [*args, "--out", str(tiny_root / "needle-single")])
+    assert single.exit_code == 0, single.output
+    split_rows, single_rows = (
+        [json.loads(line) for line in (tiny_root / folder / "results.jsonl").read_text().splitlines()]
+        for folder in ("needle-split", "needle-single")
+    )
+    assert len(split_rows) == len(single_rows) == 2 * 3  # written once: 2 needles x (full + 2 pairs)
+    for got, want in zip(split_rows, single_rows, strict=True):
+        assert (got["method"], got["prediction"], got["kept_fraction"]) == (
+            want["method"],
+            want["prediction"],
+            want["kept_fraction"],
+        )
+
+
 # --------------------------------------------------------------------------------------------------------------
 # the imbalance cap
 
