@@ -167,7 +167,7 @@ def test_eval_under_torchrun_batches_answers_as_one_process(tiny_root: Path, mon
     """``criticalkv eval needle`` split over 2 ranks, the compressed pairs answering as one batch on each rank's
     head shard, stores the answers of one process; only rank 0 writes."""
     args = ["eval", "needle", "--model", str(tiny_root / "model"), "--methods", "snapkv,critical-adakv"]
-    args += ["--budget", "0.3", "--lengths", "300", "--depths", "0,1"]
+    args += ["--budget", "0.3", "--lengths", "300", "--depths", "0,1", "--batch-answers"]
     _torchrun(tiny_root, "criticalkv.cli", *args, "--out", str(tiny_root / "needle-split"))
     monkeypatch.setenv("CRITICALKV_CACHE_DIR", str(tiny_root / "cache"))
     single = CliRunner().invoke(app, [*args, "--out", str(tiny_root / "needle-single")])

@@ -58,14 +58,16 @@ def test_sweep_resumes_and_matches_separate_runs(tmp_path, tiny_tokenizer, monke
         regime="agnostic",
         out_dir=tmp_path,
         max_new_tokens=lambda s: 4,
+        batch_answers=True,
     )
     run_sweep(model, tiny_tokenizer, samples[:2], _score, **kwargs)  # "interrupted" after two samples
     rows = run_sweep(model, tiny_tokenizer, samples, _score, **kwargs)
     assert {r.index for r in rows} == {2}  # only the missing sample ran
     assert batches == [4, 4, 4]  # the four compressed pairs of each sample answered as one batch
+    assert [r.batched for r in rows] == [False, True, True, True, True]  # the full cache answered alone
     stored = load_rows(tmp_path / "results.jsonl")
     assert len(stored) == 3 * (1 + 2 * 2)
-    # each stored answer equals a separate, unshared run of that pair
+    # each stored answer (float32: batched or not) equals a separate, unshared run of that pair
     from criticalkv.eval.needle import chat_prompt_parts, encode_prompt_parts
 
     sample = samples[1]

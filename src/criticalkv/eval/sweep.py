@@ -50,6 +50,7 @@ class Row:
     prediction: str
     prompt_tokens: int
     kept_fraction: float
+    batched: bool = False  # answered as a row of a batched decode (``batch_answers``), not alone
 
 
 def pair_label(method: str, budget: Budget) -> str:
@@ -67,13 +68,15 @@ def run_sweep(
     out_dir: Path,
     max_new_tokens: Callable[[Sample], int],
     total: int | None = None,
-    batch_answers: bool = True,
+    batch_answers: bool = False,
 ) -> list[Row]:
     """Answer every sample with the full cache and every (method, budget) pair; append rows to results.jsonl.
 
-    With ``batch_answers`` the compressed pairs of a sample answer together, as the rows of one batched decode
-    (``ContextSession.stacked``); the full cache always answers alone, on the model's own dense attention.
-    Batched rows read the same entries as separate runs; only float rounding of the batched products differs.
+    Each pair answers on its own by default: exactly the answers of separate runs. With ``batch_answers`` the
+    compressed pairs of a sample answer together, as the rows of one batched decode (``ContextSession.stacked``;
+    the full cache still answers alone, on the model's own dense attention): the rows read the same entries as
+    separate runs, but the batched products round differently, so in bfloat16 a long answer can drift to other
+    tokens (docs/results.md: 53 of 60 answers identical, 2.7x less CPU time).
     """
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
@@ -126,13 +129,14 @@ def _answer(
     )
     full_entries = layout.total(sessions["full"].kv_entries())  # the whole model's, every rank's part counted
     kept = {label: layout.total(session.kv_entries()) / full_entries for label, session in sessions.items()}
-    texts = {}
+    texts, batched = {}, {}
     for group in _answer_groups(pairs, sessions, batch_answers):
         session = sessions[group[0]] if len(group) == 1 else ContextSession.stacked([sessions[g] for g in group])
         question = None if regime == "aware" else torch.tensor([suffix_ids], device=device).expand(len(group), -1)
         generation = session.ask(question, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id)
         for label, tokens in zip(group, generation.tokens, strict=True):
             texts[label] = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+            batched[label] = len(group) > 1
     return [
         Row(
             sample.task,
@@ -144,6 +148,7 @@ def _answer(
             texts[label],
             len(prefix_ids) + len(suffix_ids),
             kept[label],
+            batched[label],
         )
         for label, method, budget in pairs
     ]
