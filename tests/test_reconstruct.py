@@ -309,3 +309,28 @@ def test_scorer_refuses_per_layer_use_and_bad_options():
     for option in ({"chunk_size": 0}, {"query_stride": 0}, {"sinks": -1}):
         with pytest.raises(ValueError):
             ReconstructionScorer(**option)
+
+
+def test_layer_reconstruct_ranks_every_layer_and_head_at_once(monkeypatch, tiny_tokenizer):
+    """KVzip's own allocation: beyond each head's protected sinks, the best reconstruction scores of the whole model
+    are kept, wherever they are (a brute-force ranking over every layer and head); budgets differ across layers."""
+    model = _model()
+    ids, mask = _batch(_random_rows([70], seed=8))
+    method = build_method("layer-reconstruct", tokenizer=tiny_tokenizer, chunk_size=32)
+    scores = _captured_scores(monkeypatch, model, method, ids, mask)  # per layer (1, h_kv, t)
+    with Compressor(model, method, Budget(0.25)) as compressor:
+        compressor.record_keep = True
+        model(input_ids=ids, attention_mask=mask)
+    keeps = [record.keep for record in sorted(compressor.records, key=lambda r: r.layer)]
+    t = ids.shape[1]
+    budget = int(0.25 * t)
+    sinks = reconstruction_inputs(ids, mask, RepeatPrompt.from_tokenizer(tiny_tokenizer), 32, 4).protected[0]
+    everything = torch.cat([s[0].flatten() for s in scores])  # (L h t)
+    competing = ~sinks.expand(len(scores), scores[0].shape[1], -1).flatten()
+    room = len(scores) * scores[0].shape[1] * (budget - int(sinks.sum()))
+    best = everything.masked_fill(~competing, float("-inf")).topk(room).indices
+    expected = (~competing).clone()
+    expected[best] = True
+    assert torch.equal(torch.cat([k[0].flatten() for k in keeps]), expected)
+    assert sum(int(k.sum()) for k in keeps) == len(scores) * scores[0].shape[1] * budget
+    assert len({int(k.sum()) for k in keeps}) > 1  # layers got different budgets

@@ -90,8 +90,18 @@ PRESETS: dict[str, Preset] = {
     ),
     "critical-tova": Preset("CriticalKV over TOVA's scores", _preset(TOVAScorer, CriticalSelector)),
     "reconstruct": Preset(
-        "KVzip: max attention from the model repeating the context (chunks of 2048), question-agnostic, top-k",
+        "KVzip scores (max attention from the model repeating the context, chunks of 2048), question-agnostic; "
+        "the same budget in every layer and head (kvpress's layerwise=True), top-k",
         _preset(ReconstructionScorer, TopKSelector),
+    ),
+    "layer-reconstruct": Preset(
+        "KVzip as published (kvpress's default, layerwise=False): the reconstruction scores ranked over every layer "
+        "and head at once, sinks kept",
+        lambda: Method(ReconstructionScorer(), CrossLayerAllocator(), TopKSelector()),
+    ),
+    "critical-layer-reconstruct": Preset(
+        "KVzip's cross-layer budgets, then CriticalKV's two-stage selection per head",
+        lambda: Method(ReconstructionScorer(), CrossLayerAllocator(), CriticalSelector()),
     ),
     "critical-reconstruct": Preset(
         "CriticalKV over the reconstruction scores: two-stage selection per head",
