@@ -3,7 +3,9 @@
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+from transformers.cache_utils import DummyLayer
 
+from criticalkv.cache import CompressedCache
 from criticalkv.errors import CacheStateError
 from criticalkv.runtime.session import ContextSession
 from criticalkv.runtime.shared_prefill import SharedPrefill
@@ -85,7 +87,26 @@ def test_stacking_refuses_what_does_not_stack():
     long = SharedPrefill(model, PAIRS[:2]).prefill(torch.randint(0, 256, (1, 80), generator=g))
     with pytest.raises(ValueError, match="same unpadded prompt"):
         ContextSession.stacked([short["snapkv-0.3"], long["snapkv-0.3"]])
+    with pytest.raises(ValueError, match="nothing to stack"):
+        ContextSession.stacked([])
     gemma = SharedPrefill(_model("gemma3"), PAIRS[:2]).prefill(torch.randint(0, 256, (1, 60), generator=g))
     assert not gemma["snapkv-0.3"].cache.stackable()
     with pytest.raises(CacheStateError, match="cannot be stacked"):
         ContextSession.stacked([gemma["full"], gemma["snapkv-0.3"]])
+
+
+def test_stacking_keeps_another_stages_layers_empty():
+    """On a pipeline stage the layers other stages run are ``DummyLayer``s: they stack to one, the others stack
+    row by row; a layer that is a placeholder in one cache only does not stack."""
+    model = _model("llama")
+    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(4))
+    sessions = SharedPrefill(model, PAIRS[:3]).prefill(ids)
+    caches = [sessions[label].cache for label, _, _ in PAIRS[1:3]]
+    for cache in caches:
+        cache.layers[0] = DummyLayer()
+    assert all(cache.stackable() for cache in caches)
+    stacked = CompressedCache.stack(caches)
+    assert isinstance(stacked.layers[0], DummyLayer)
+    assert torch.equal(stacked.layers[1].lengths, torch.cat([cache.layers[1].lengths for cache in caches]))
+    with pytest.raises(CacheStateError, match="layer 0 is not a compressed layer in every cache"):
+        CompressedCache.stack([caches[0], sessions["full"].cache])

@@ -3,10 +3,12 @@
 import json
 from dataclasses import dataclass
 
+import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 
 from criticalkv.budget import Budget
+from criticalkv.errors import UnsupportedModelError
 from criticalkv.eval.report import summarise, write_report
 from criticalkv.eval.sweep import load_rows, run_sweep
 from criticalkv.runtime.session import ContextSession
@@ -122,3 +124,33 @@ def test_eval_cli_refuses_bad_input():
     assert result.exit_code == 2 and "unknown RULER task(s) ['nope']" in " ".join(result.output.split())
     result = CliRunner().invoke(app, ["eval", "ruler", "--tasks", "vt", "--budgets", "1.5"])
     assert result.exit_code == 2 and "fractional budget must be in (0, 1]" in " ".join(result.output.split())
+
+
+def test_batched_answers_refuse_sliding_window_models(tmp_path, tiny_tokenizer):
+    """Sliding-window layers (Gemma 3) do not stack: --batch-answers says so before any work, never falls back."""
+    config = Gemma3TextConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=len(tiny_tokenizer),
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    with pytest.raises(UnsupportedModelError, match="sliding-window layers"):
+        run_sweep(
+            model,
+            tiny_tokenizer,
+            [],
+            _score,
+            ["snapkv"],
+            [Budget(0.3)],
+            "agnostic",
+            tmp_path,
+            lambda s: 4,
+            batch_answers=True,
+        )
+    assert not (tmp_path / "results.jsonl").exists()

@@ -17,7 +17,9 @@ from typing import Protocol, TextIO
 import torch
 
 from criticalkv.budget import Budget
+from criticalkv.cache import CompressedCache
 from criticalkv.distributed.layout import ParallelLayout
+from criticalkv.errors import UnsupportedModelError
 from criticalkv.eval.needle import chat_prompt_parts, encode_prompt_parts
 from criticalkv.methods import build_method
 from criticalkv.progress import step_progress
@@ -82,6 +84,11 @@ def run_sweep(
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
     for method in methods:
         build_method(method)  # unknown names fail before any work
+    if batch_answers and not CompressedCache(model.config).stackable():
+        raise UnsupportedModelError(
+            "--batch-answers needs every attention layer compressible; this model has sliding-window layers, "
+            "whose caches cannot be stacked: run without it"
+        )
     pairs = [("full", "full", Budget(1.0))] + [
         (pair_label(m, b), m, b) for m in methods if m != "full" for b in budgets
     ]
@@ -130,7 +137,7 @@ def _answer(
     full_entries = layout.total(sessions["full"].kv_entries())  # the whole model's, every rank's part counted
     kept = {label: layout.total(session.kv_entries()) / full_entries for label, session in sessions.items()}
     texts, batched = {}, {}
-    for group in _answer_groups(pairs, sessions, batch_answers):
+    for group in _answer_groups(pairs, batch_answers):
         session = sessions[group[0]] if len(group) == 1 else ContextSession.stacked([sessions[g] for g in group])
         question = None if regime == "aware" else torch.tensor([suffix_ids], device=device).expand(len(group), -1)
         generation = session.ask(question, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id)
@@ -154,11 +161,11 @@ def _answer(
     ]
 
 
-def _answer_groups(pairs, sessions: dict[str, ContextSession], batch_answers: bool) -> list[list[str]]:
-    """Labels that answer together: the full cache alone, then every compressed pair in one batch (or each alone
-    without ``batch_answers``, or when a cache has sliding-window layers, which do not stack)."""
+def _answer_groups(pairs, batch_answers: bool) -> list[list[str]]:
+    """Labels that answer together: the full cache alone, then every compressed pair in one batch (each alone
+    without ``batch_answers``)."""
     compressed = [label for label, _, _ in pairs if label != "full"]
-    if not (batch_answers and all(sessions[label].cache.stackable() for label in compressed)):
+    if not batch_answers:
         return [["full"]] + [[label] for label in compressed]
     return [["full"]] + ([compressed] if compressed else [])
 

@@ -80,6 +80,8 @@ class ContextSession:
         Every session must hold the same unpadded prompt in a stackable ``CompressedCache`` (``CompressedCache.stack``)
         with nothing asked yet; the sessions themselves are left as they are.
         """
+        if not sessions:
+            raise ValueError("nothing to stack")
         first = sessions[0]
         if any(s.cache is None or s.mask.shape != first.mask.shape or not bool(s.mask.all()) for s in sessions):
             raise ValueError("stacked sessions must hold the same unpadded prompt")
