@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 
 from criticalkv.budget import Budget
-from criticalkv.errors import UnsupportedModelError
+from criticalkv.errors import CriticalKVError, UnsupportedModelError
 from criticalkv.eval.report import summarise, write_report
 from criticalkv.eval.sweep import load_rows, run_sweep
 from criticalkv.runtime.session import ContextSession
@@ -154,3 +154,18 @@ def test_batched_answers_refuse_sliding_window_models(tmp_path, tiny_tokenizer):
             batch_answers=True,
         )
     assert not (tmp_path / "results.jsonl").exists()
+
+
+def test_resuming_a_folder_with_other_settings_is_refused(tmp_path, tiny_tokenizer):
+    model, samples = _setup(tiny_tokenizer)
+    kwargs = dict(
+        methods=["snapkv"], budgets=[Budget(0.5)], regime="agnostic", out_dir=tmp_path, max_new_tokens=lambda s: 2
+    )
+    settings = {"benchmark": "ruler", "model": "toy", "length": 256, "seed": 0, "max_new_tokens": 0}
+    run_sweep(model, tiny_tokenizer, samples[:1], _score, settings=settings, **kwargs)
+    assert json.loads((tmp_path / "sweep.json").read_text()) == settings
+    rows = run_sweep(model, tiny_tokenizer, samples[:2], _score, settings=dict(settings), **kwargs)  # same: resumes
+    assert {r.index for r in rows} == {1}
+    with pytest.raises(CriticalKVError, match=r"length: 256 there, 512 now.*use another --out"):
+        run_sweep(model, tiny_tokenizer, samples, _score, settings={**settings, "length": 512}, **kwargs)
+    assert len(load_rows(tmp_path / "results.jsonl")) == 2 * 2  # nothing appended by the refused run

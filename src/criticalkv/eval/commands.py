@@ -89,6 +89,13 @@ def ruler(
             budget_of,
             total=len(chosen) * samples,
             batch_answers=batch_answers,
+            settings={
+                "benchmark": "ruler",
+                "model": model,
+                "length": length,
+                "seed": seed,
+                "max_new_tokens": max_new_tokens,
+            },
         )
     except CriticalKVError as error:
         _fail(error)
@@ -126,7 +133,8 @@ def needle(
         regime = "aware" if question_aware else "agnostic"
         folder = out or Path("results") / f"needle-{Path(model).name}-{regime}"
         loaded, tokenizer = launch.load_model(model)
-        cells = needle_grid(tokenizer, [int(x) for x in _split(lengths)], [float(x) for x in _split(depths)], seed)
+        grid = {"lengths": [int(x) for x in _split(lengths)], "depths": [float(x) for x in _split(depths)]}
+        cells = needle_grid(tokenizer, grid["lengths"], grid["depths"], seed)
         items = [
             _NeedleItem(
                 f"needle-{c.length}", i, c.sample.context, c.sample.question, c.sample.answer_prefix, c.sample.answer
@@ -145,6 +153,8 @@ def needle(
             lambda s: 16,
             total=len(items),
             batch_answers=batch_answers,
+            # a sample's index is its cell in the lengths x depths grid
+            settings={"benchmark": "needle", "model": model, **grid, "seed": seed},
         )
     except CriticalKVError as error:
         _fail(error)

@@ -19,7 +19,7 @@ import torch
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
 from criticalkv.distributed.layout import ParallelLayout
-from criticalkv.errors import UnsupportedModelError
+from criticalkv.errors import CriticalKVError, UnsupportedModelError
 from criticalkv.eval.needle import chat_prompt_parts, encode_prompt_parts
 from criticalkv.methods import build_method
 from criticalkv.progress import step_progress
@@ -71,8 +71,14 @@ def run_sweep(
     max_new_tokens: Callable[[Sample], int],
     total: int | None = None,
     batch_answers: bool = False,
+    settings: dict | None = None,
 ) -> list[Row]:
     """Answer every sample with the full cache and every (method, budget) pair; append rows to results.jsonl.
+
+    ``settings`` (JSON values: model, prompt length, seed, ...) are what makes a (task, index) the same sample
+    across runs; they are kept in the folder's ``sweep.json``, and a run that resumes a folder with other settings
+    is refused, so its rows never mix with another sweep's. Methods, budgets, the sample count and
+    ``batch_answers`` may change between runs (each row records its pair and whether it was batched).
 
     Each pair answers on its own by default: exactly the answers of separate runs. With ``batch_answers`` the
     compressed pairs of a sample answer together, as the rows of one batched decode (``ContextSession.stacked``;
@@ -93,6 +99,9 @@ def run_sweep(
         (pair_label(m, b), m, b) for m in methods if m != "full" for b in budgets
     ]
     layout = ParallelLayout.of(model)  # under torchrun every rank answers every sample; rank 0 writes
+    conflict = layout.from_main(_settings_conflict(out_dir, settings) if layout.is_main else None)
+    if conflict:
+        raise CriticalKVError(conflict)
     path = out_dir / "results.jsonl"
     done = layout.from_main(_done_samples(path, regime, {label for label, _, _ in pairs}) if layout.is_main else None)
     rows: list[Row] = []
@@ -178,6 +187,30 @@ def _sink(path: Path, writes: bool) -> Iterator[TextIO]:
         return
     with path.open("a") as sink:
         yield sink
+
+
+def _settings_conflict(out_dir: Path, settings: dict | None) -> str | None:
+    """Why the folder's ``sweep.json`` forbids resuming with ``settings``; None when it allows it (and records them).
+
+    A folder without ``sweep.json`` takes the settings of its first run that gives some.
+    """
+    if settings is None:
+        return None
+    settings = json.loads(json.dumps(settings))  # as stored: tuples become lists
+    path = out_dir / "sweep.json"
+    if path.exists():
+        stored = json.loads(path.read_text())
+        changed = {k: (stored.get(k), v) for k, v in settings.items() if stored.get(k) != v}
+        if changed:
+            listed = "; ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in changed.items())
+            return (
+                f"{out_dir} holds a sweep with other settings ({listed}): its rows would mix with this run's; "
+                "use another --out"
+            )
+        return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=2) + "\n")
+    return None
 
 
 def _done_samples(path: Path, regime: str, labels: set[str]) -> set[tuple[str, int]]:
