@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
+import matplotlib
 from matplotlib.figure import Figure
 
 from criticalkv.eval.sweep import Row, load_rows
@@ -91,12 +92,16 @@ def write_report(results_dir: Path, title: str = "") -> Path:
 def _plot_regime(summary: dict, regime: str, path: Path) -> None:
     rows = [e for e in summary["rows"] if e["regime"] == regime]
     full = next((e["mean"] for e in rows if e["method"] == "full"), None)
-    fig = Figure(figsize=(6.4, 4.2))
+    fig = Figure(figsize=(8.4, 4.2))
     ax = fig.subplots()
-    for method in sorted({e["method"] for e in rows if e["method"] != "full"}):
+    methods = sorted({e["method"] for e in rows if e["method"] != "full"}, key=lambda m: (_base(m), m))
+    bases = list(dict.fromkeys(_base(m) for m in methods))  # a method and its CriticalKV version share a colour
+    palette = matplotlib.colormaps["tab10" if len(bases) <= 10 else "tab20"]
+    for method in methods:
         points = sorted((float(e["budget"]), e["mean"]) for e in rows if e["method"] == method)
         style = "-" if method.startswith("critical-") else "--"
-        ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=method)
+        color = palette(bases.index(_base(method)) % palette.N)
+        ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", color=color, label=method)
     if full is not None:
         ax.axhline(full, color="black", linewidth=1, label="full cache")
     ax.set_xlabel("budget (fraction of the context kept)")
@@ -104,9 +109,14 @@ def _plot_regime(summary: dict, regime: str, path: Path) -> None:
     ax.set_title(f"question-{regime}")
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _base(method: str) -> str:
+    """The method a CriticalKV preset enhances: ``critical-snapkv`` -> ``snapkv``."""
+    return method.removeprefix("critical-")
 
 
 def _plot_loss(summary: dict, regime: str, path: Path) -> bool:
