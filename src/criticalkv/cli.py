@@ -287,14 +287,29 @@ def calibrate_heads(
 
 
 @app.command()
-def report(results_dir: Annotated[Path, typer.Argument(help="A folder with a sweep's results.jsonl.")]) -> None:
-    """Redraw the tables and plots of a sweep from its saved results."""
+def report(
+    results_dirs: Annotated[list[Path], typer.Argument(help="Folders with a sweep's results.jsonl.")],
+    out: Annotated[
+        Path | None, typer.Option(help="With several folders: the new folder of their merged rows and report.")
+    ] = None,
+) -> None:
+    """Redraw the tables and plots of a sweep from its saved results; several folders of the same samples (a run
+    split over processes, or extended later with other methods or budgets) are merged into --out first."""
+    from criticalkv.eval.merge import merge_sweeps
     from criticalkv.eval.report import write_report
 
-    if not (results_dir / "results.jsonl").is_file():
-        console.print(f"[red]error:[/red] no results.jsonl in {results_dir}")
-        raise typer.Exit(2)
-    console.print(f"wrote {write_report(results_dir)}")
+    try:
+        if len(results_dirs) > 1 or out is not None:
+            if out is None:
+                raise CriticalKVError("several folders are merged into a new one: give --out")
+            console.print(f"merged {merge_sweeps(results_dirs, out)} rows into {out}")
+            results_dirs = [out]
+        if not (results_dirs[0] / "results.jsonl").is_file():
+            raise CriticalKVError(f"no results.jsonl in {results_dirs[0]}")
+    except CriticalKVError as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from None
+    console.print(f"wrote {write_report(results_dirs[0])}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,50 @@
+"""Several sweep folders of the same samples as one: runs split over processes or machines, or extended later."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from criticalkv.errors import CriticalKVError
+from criticalkv.eval.sweep import Row, load_rows
+
+SETTINGS = "sweep.json"
+
+
+def merge_sweeps(folders: list[Path], out: Path) -> int:
+    """Write the rows of ``folders`` (each with a results.jsonl) into ``out``; returns the number of rows.
+
+    The folders must hold sweeps with the same settings (their ``sweep.json``, where they have one: model, length,
+    seed, ...). A (regime, task, index, method, budget) answered in several folders is kept once, and only if every
+    folder gave the same answer: two answers that differ mean other settings or other code (or, for rows answered
+    with ``--batch-answers``, bfloat16 rounding), and the merge refuses them rather than choose.
+    """
+    if out in folders:
+        raise CriticalKVError(f"--out {out} is one of the folders to merge: choose a new folder")
+    settings = {
+        folder: json.loads((folder / SETTINGS).read_text()) for folder in folders if (folder / SETTINGS).exists()
+    }
+    if len({json.dumps(s, sort_keys=True) for s in settings.values()}) > 1:
+        listed = "; ".join(f"{folder}: {s}" for folder, s in settings.items())
+        raise CriticalKVError(f"the folders hold sweeps with other settings ({listed})")
+    rows: dict[tuple, tuple[Row, Path]] = {}
+    for folder in folders:
+        path = folder / "results.jsonl"
+        if not path.is_file():
+            raise CriticalKVError(f"no results.jsonl in {folder}")
+        for row in load_rows(path):
+            key = (row.regime, row.task, row.index, row.method, float(row.budget))
+            if key not in rows:
+                rows[key] = (row, folder)
+            elif rows[key][0].prediction != row.prediction:
+                first, where = rows[key]
+                raise CriticalKVError(
+                    f"{key} is answered differently in {where} ({first.prediction!r}, batched={first.batched}) and "
+                    f"{folder} ({row.prediction!r}, batched={row.batched}): merge folders of the same samples and code"
+                )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.jsonl").write_text("".join(json.dumps(asdict(row)) + "\n" for row, _ in rows.values()))
+    if settings:
+        (out / SETTINGS).write_text(json.dumps(next(iter(settings.values())), indent=2) + "\n")
+    return len(rows)
