@@ -20,7 +20,7 @@ def merge_sweeps(folders: list[Path], out: Path) -> int:
     folder gave the same answer: two answers that differ mean other settings or other code (or, for rows answered
     with ``--batch-answers``, bfloat16 rounding), and the merge refuses them rather than choose.
     """
-    if out in folders:
+    if out.resolve() in {folder.resolve() for folder in folders}:
         raise CriticalKVError(f"--out {out} is one of the folders to merge: choose a new folder")
     settings = {
         folder: json.loads((folder / SETTINGS).read_text()) for folder in folders if (folder / SETTINGS).exists()
