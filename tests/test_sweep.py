@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 from criticalkv.budget import Budget
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
 from criticalkv.eval.report import summarise, write_report
-from criticalkv.eval.sweep import load_rows, run_sweep
+from criticalkv.eval.sweep import Row, load_rows, run_sweep
 from criticalkv.runtime.session import ContextSession
 
 
@@ -113,6 +113,16 @@ def test_report_tables_and_loss(tmp_path):
     assert "![compression loss, question-agnostic](loss_agnostic.png)" in text
     assert (tmp_path / "loss_agnostic.png").stat().st_size > 1000
     assert (tmp_path / "summary.csv").read_text().count("\n") == 4
+
+
+def test_report_loss_compares_with_the_full_cache_on_the_same_samples(tmp_path):
+    """A pair that answered only some samples (a run in progress, merged folders) is compared on those alone."""
+    full = {("a", 0): 100.0, ("a", 1): 0.0, ("b", 0): 100.0, ("b", 1): 100.0}
+    rows = [Row(t, i, "agnostic", "full", 1.0, s, "", 100, 1.0) for (t, i), s in full.items()]
+    rows += [Row("a", 0, "agnostic", "snapkv", 0.2, 50.0, "", 100, 0.2)]  # one sample answered so far
+    by_method = {e["method"]: e for e in summarise(rows)["rows"]}
+    assert by_method["full"]["mean"] == 75.0  # (50 + 100) / 2 over every sample
+    assert by_method["snapkv"]["loss"] == 0.5  # against the full cache's 100 on sample a#0, not its 75 overall
 
 
 def test_eval_cli_refuses_bad_input():

@@ -17,11 +17,14 @@ from criticalkv.eval.sweep import Row, load_rows
 def summarise(rows: list[Row]) -> dict:
     """Mean score per (regime, method, budget, task), the mean over tasks, and the compression loss.
 
-    loss = (full - method) / full on the same samples, per regime (evaluation.md).
+    loss = (full - method) / full on the same samples, per regime (evaluation.md): where a pair answered only some
+    samples (a run in progress, merged folders), the full cache's mean is taken over those samples alone.
     """
     by_key: dict[tuple, list[float]] = defaultdict(list)
+    answered: dict[tuple, dict[tuple[str, int], float]] = defaultdict(dict)  # (regime, method, budget) -> scores
     for r in rows:
         by_key[(r.regime, r.method, r.budget, r.task)].append(r.score)
+        answered[(r.regime, r.method, r.budget)][(r.task, r.index)] = r.score
     tasks = sorted({r.task for r in rows})
     table: dict[str, dict] = {}
     for regime, method, budget, task in sorted(by_key, key=str):
@@ -35,8 +38,26 @@ def summarise(rows: list[Row]) -> dict:
         entry["mean"] = mean(entry["tasks"].values())
     for entry in table.values():
         full = next((e for e in table.values() if e["regime"] == entry["regime"] and e["method"] == "full"), None)
-        entry["loss"] = None if not full or full["mean"] == 0 else (full["mean"] - entry["mean"]) / full["mean"]
+        reference = (
+            None
+            if full is None
+            else _mean_over_tasks(
+                answered[(full["regime"], "full", full["budget"])],
+                answered[(entry["regime"], entry["method"], entry["budget"])],
+            )
+        )
+        entry["loss"] = None if not reference else (reference - entry["mean"]) / reference
     return {"tasks": tasks, "rows": sorted(table.values(), key=_order)}
+
+
+def _mean_over_tasks(full: dict[tuple[str, int], float], samples: dict[tuple[str, int], float]) -> float | None:
+    """The full cache's score over ``samples``' (task, index) keys: mean per task, then over tasks; None if it
+    answered none of them."""
+    per_task: dict[str, list[float]] = defaultdict(list)
+    for key in samples:
+        if key in full:
+            per_task[key[0]].append(full[key])
+    return mean(mean(scores) for scores in per_task.values()) if per_task else None
 
 
 def _order(entry: dict) -> tuple:
