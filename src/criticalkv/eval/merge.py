@@ -7,9 +7,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from criticalkv.errors import CriticalKVError
+from criticalkv.eval.sweep import SETTINGS_FILE as SETTINGS
 from criticalkv.eval.sweep import Row, load_rows
-
-SETTINGS = "sweep.json"
 
 
 def merge_sweeps(folders: list[Path], out: Path) -> int:

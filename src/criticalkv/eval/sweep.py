@@ -27,6 +27,7 @@ from criticalkv.runtime.session import ContextSession
 from criticalkv.runtime.shared_prefill import SharedPrefill
 
 REGIMES = ("agnostic", "aware")
+SETTINGS_FILE = "sweep.json"  # a sweep folder's settings (``run_sweep``'s ``settings``)
 
 
 class Sample(Protocol):
@@ -197,7 +198,7 @@ def _settings_conflict(out_dir: Path, settings: dict | None) -> str | None:
     if settings is None:
         return None
     settings = json.loads(json.dumps(settings))  # as stored: tuples become lists
-    path = out_dir / "sweep.json"
+    path = out_dir / SETTINGS_FILE
     if path.exists():
         stored = json.loads(path.read_text())
         changed = {k: (stored.get(k), v) for k, v in settings.items() if stored.get(k) != v}
