@@ -7,8 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from criticalkv.errors import CriticalKVError
-from criticalkv.eval.sweep import SETTINGS_FILE as SETTINGS
-from criticalkv.eval.sweep import Row, load_rows
+from criticalkv.eval.sweep import SETTINGS_FILE, Row, load_rows, stored_settings
 
 
 def merge_sweeps(folders: list[Path], out: Path) -> int:
@@ -21,9 +20,7 @@ def merge_sweeps(folders: list[Path], out: Path) -> int:
     """
     if out.resolve() in {folder.resolve() for folder in folders}:
         raise CriticalKVError(f"--out {out} is one of the folders to merge: choose a new folder")
-    settings = {
-        folder: json.loads((folder / SETTINGS).read_text()) for folder in folders if (folder / SETTINGS).exists()
-    }
+    settings = {folder: stored for folder in folders if (stored := stored_settings(folder)) is not None}
     if len({json.dumps(s, sort_keys=True) for s in settings.values()}) > 1:
         listed = "; ".join(f"{folder}: {s}" for folder, s in settings.items())
         raise CriticalKVError(f"the folders hold sweeps with other settings ({listed})")
@@ -45,5 +42,5 @@ def merge_sweeps(folders: list[Path], out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.jsonl").write_text("".join(json.dumps(asdict(row)) + "\n" for row, _ in rows.values()))
     if settings:
-        (out / SETTINGS).write_text(json.dumps(next(iter(settings.values())), indent=2) + "\n")
+        (out / SETTINGS_FILE).write_text(json.dumps(next(iter(settings.values())), indent=2) + "\n")
     return len(rows)

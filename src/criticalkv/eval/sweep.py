@@ -198,9 +198,8 @@ def _settings_conflict(out_dir: Path, settings: dict | None) -> str | None:
     if settings is None:
         return None
     settings = json.loads(json.dumps(settings))  # as stored: tuples become lists
-    path = out_dir / SETTINGS_FILE
-    if path.exists():
-        stored = json.loads(path.read_text())
+    stored = stored_settings(out_dir)
+    if stored is not None:
         changed = {k: (stored.get(k), v) for k, v in settings.items() if stored.get(k) != v}
         if changed:
             listed = "; ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in changed.items())
@@ -210,8 +209,14 @@ def _settings_conflict(out_dir: Path, settings: dict | None) -> str | None:
             )
         return None
     out_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(settings, indent=2) + "\n")
+    (out_dir / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
     return None
+
+
+def stored_settings(folder: Path) -> dict | None:
+    """The settings a sweep folder records in its ``sweep.json``; None for a folder without one."""
+    path = folder / SETTINGS_FILE
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def _done_samples(path: Path, regime: str, labels: set[str]) -> set[tuple[str, int]]:
