@@ -24,18 +24,23 @@ class Toy:
     answer: str
 
 
-def _setup(tiny_tokenizer):
-    torch.manual_seed(0)
-    config = LlamaConfig(
+def _tiny_model(config_class, tokenizer, **extra):
+    """A 2-layer float32 model of ``config_class`` (4 query heads on 2 KV heads) over the tokenizer's vocabulary."""
+    config = config_class(
         num_hidden_layers=2,
         hidden_size=64,
         intermediate_size=128,
         num_attention_heads=4,
         num_key_value_heads=2,
-        vocab_size=len(tiny_tokenizer),
-        max_position_embeddings=2048,
+        vocab_size=len(tokenizer),
+        **extra,
     )
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+def _setup(tiny_tokenizer):
+    torch.manual_seed(0)
+    model = _tiny_model(LlamaConfig, tiny_tokenizer, max_position_embeddings=2048)
     words = ("the grass is green the sky is blue the sun is yellow here we go there and back again").split()  # noqa: SIM905
     samples = [
         Toy("toy", i, " ".join(words[(i + j) % len(words)] for j in range(200)), "what is blue?", "it is", "sky")
@@ -138,18 +143,13 @@ def test_eval_cli_refuses_bad_input():
 
 def test_batched_answers_refuse_sliding_window_models(tmp_path, tiny_tokenizer):
     """Sliding-window layers (Gemma 3) do not stack: --batch-answers says so before any work, never falls back."""
-    config = Gemma3TextConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    model = _tiny_model(
+        Gemma3TextConfig,
+        tiny_tokenizer,
         head_dim=16,
-        vocab_size=len(tiny_tokenizer),
         sliding_window=16,
         layer_types=["sliding_attention", "full_attention"],
     )
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
     with pytest.raises(UnsupportedModelError, match="sliding-window layers"):
         run_sweep(
             model,
