@@ -111,12 +111,13 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
     b, h_kv, _, _d = key.shape
     q = query.shape[2]
     if attention_mask is None:
-        logical = torch.ones(q, n, dtype=torch.bool).tril(diagonal=n - q)[None, None].expand(b, 1, q, n)
+        causal = torch.ones(q, n, dtype=torch.bool, device=key.device).tril(diagonal=n - q)
+        logical = causal[None, None].expand(b, 1, q, n)
     else:
         logical = as_bool_mask(attention_mask)[:, :, :, :n].expand(b, 1, q, n)
-    columns = torch.cat([keep, torch.ones(b, h_kv, n - t, dtype=torch.bool)], dim=-1)  # (b, h_kv, n)
+    columns = torch.cat([keep, keep.new_ones(b, h_kv, n - t)], dim=-1)  # (b, h_kv, n)
     # context queries (a prefill of context + question) see the full context, as in the compressed run's prefill
-    after_context = (torch.arange(n - q, n) >= t)[None, None, :, None]  # (1, 1, q, 1)
+    after_context = (torch.arange(n - q, n, device=key.device) >= t)[None, None, :, None]  # (1, 1, q, 1)
     mask = logical & (columns[:, :, None, :] | ~after_context)  # (b, h_kv, q, n)
     g = query.shape[1] // h_kv
     out = F.scaled_dot_product_attention(

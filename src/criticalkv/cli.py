@@ -22,7 +22,7 @@ from criticalkv.distributed.layout import ParallelLayout
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.commands import app as eval_app
 from criticalkv.methods import PRESETS, build_method, parse_option_value
-from criticalkv.models.presets import DEFAULT_PRESET, list_presets
+from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, list_presets
 from criticalkv.progress import layer_progress
 from criticalkv.runtime.session import ContextSession
 
@@ -126,6 +126,7 @@ def run(
     seed: Annotated[int, typer.Option(help="Seed of the needle prompt.")] = 0,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per answer.")] = 24,
     dtype: Annotated[str, typer.Option(help="auto, bfloat16 or float32.")] = "auto",
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
     option: Annotated[list[str] | None, typer.Option(help="Method option key=value, e.g. window=64.")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write every figure to this JSON file.")] = None,
 ) -> None:
@@ -143,6 +144,7 @@ def run(
             seed,
             max_new_tokens,
             dtype,
+            device,
             option or [],
             json_path,
         )
@@ -163,6 +165,7 @@ def _run(
     seed,
     max_new_tokens,
     dtype,
+    device,
     option,
     json_path,
 ) -> None:
@@ -174,7 +177,7 @@ def _run(
     for name in methods_[1:]:
         build_method(name, **options)  # fail on a bad name or option before loading anything
     with console.status(f"loading {model_name}"):
-        model, tokenizer = launch.load_model(model_name, dtype=dtype)
+        model, tokenizer = launch.load_model(model_name, dtype=dtype, device=device)
     layout = ParallelLayout.of(model)  # one process, or where this one sits in a torchrun split
     device = next(model.parameters()).device
     from criticalkv.eval.needle import chat_prompt_parts, encode_prompt_parts
@@ -230,6 +233,7 @@ def _run(
         report = {
             "model": model_name,
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "device": str(device),
             "attention": model.config._attn_implementation,
             "mode": {"aware": "question-aware", "agnostic": "question-agnostic"}[mode],
             "budget": parsed_budget.value,
@@ -273,13 +277,14 @@ def calibrate_heads(
     samples: Annotated[int, typer.Option(help="Needle depths per length.")] = 8,
     lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths in tokens.")] = "1024,2048",
     seed: Annotated[int, typer.Option(help="Seed of the calibration prompts.")] = 0,
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
 ) -> None:
     """Measure each KV head's retrieval importance on needle prompts and save HeadKV's profile for the model."""
     from criticalkv.allocators.head_profile import calibrate_preset
 
     try:
         sizes = tuple(int(x) for x in lengths.split(","))
-        _, path = calibrate_preset(model, out, samples=samples, lengths=sizes, seed=seed)
+        _, path = calibrate_preset(model, out, samples=samples, lengths=sizes, seed=seed, device=device)
     except (CriticalKVError, ValueError) as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from None

@@ -413,7 +413,11 @@ def calibrate_head_profile(
 
 
 def calibrate_preset(
-    model: str = "smollm2-135m", out: str | Path | None = None, dtype: str = "float32", **options: Any
+    model: str = "smollm2-135m",
+    out: str | Path | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    **options: Any,
 ) -> tuple[HeadProfile, Path]:
     """Load a model (preset name or folder), calibrate it and save the profile; what ``calibrate-heads`` runs.
 
@@ -421,7 +425,7 @@ def calibrate_preset(
     """
     from criticalkv.models.presets import load_model
 
-    loaded, tokenizer = load_model(model, dtype=dtype)
+    loaded, tokenizer = load_model(model, dtype=dtype, device=device)
     label = Path(model).name if Path(model).exists() else model
     profile = calibrate_head_profile(loaded, tokenizer, name=label, **options)
     path = Path(out) if out is not None else user_profile_dir() / f"{label}.json"

@@ -36,6 +36,7 @@ from criticalkv.analysis.plots import file_stem, plot_hidden, plot_layers, plot_
 from criticalkv.budget import Budget
 from criticalkv.errors import CriticalKVError
 from criticalkv.methods import build_method
+from criticalkv.models.presets import DEVICE_HELP
 from criticalkv.progress import step_progress
 
 __all__ = [
@@ -283,6 +284,7 @@ def run_analysis(
     generate: int = 16,
     seed: int = 0,
     dtype: str = "auto",
+    device: str = "auto",
     hidden: bool = True,
     stepwise: bool = False,
     window_queries: int = 32,
@@ -368,13 +370,14 @@ def run_analysis(
         from criticalkv.models.presets import load_model
 
         with console.status(f"loading {model}"):
-            lm, tokenizer = load_model(model, dtype=dtype)
+            lm, tokenizer = load_model(model, dtype=dtype, device=device)
         config = lm.config.get_text_config()
         h_kv = config.num_key_value_heads
         meta.update(
             model=model,
             model_type=config.model_type,
             dtype=str(lm.dtype).removeprefix("torch."),
+            device=str(lm.device),
             attention=lm.config._attn_implementation,
             tokenizer=f"{type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '')})",
             weights=MODEL_PRESETS[model].description if model in MODEL_PRESETS else "as stored in the model folder",
@@ -394,8 +397,9 @@ def run_analysis(
         with step_progress("perturbation", total, enabled=progress, console=console) as advance:
             for prompt in prompt_list:
                 context = prompt.context_ids + (prompt.question_ids if mode == "aware" else [])
-                question = None if mode == "aware" else torch.tensor([prompt.question_ids])
-                captured = capture(lm, torch.tensor([context]), question, generate=generate, eos_token_id=eos)
+                question = None if mode == "aware" else torch.tensor([prompt.question_ids], device=lm.device)
+                ids = torch.tensor([context], device=lm.device)
+                captured = capture(lm, ids, question, generate=generate, eos_token_id=eos)
                 info = {
                     **prompt.info,
                     "context_tokens": len(context),
@@ -462,6 +466,7 @@ def perturbation(
     generate: Annotated[int, typer.Option(help="Greedy tokens of the full model whose queries are measured too.")] = 16,
     seed: Annotated[int, typer.Option(help="Seed of the prompts and of the exhaustive check.")] = 0,
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 for presets), bfloat16 or float32.")] = "auto",
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
     hidden: Annotated[
         bool, typer.Option(help="Also decode over each compressed cache and compare the last hidden state.")
     ] = True,
@@ -500,6 +505,7 @@ def perturbation(
             generate=generate,
             seed=seed,
             dtype=dtype,
+            device=device,
             hidden=hidden,
             stepwise=stepwise,
             window_queries=window_queries,

@@ -355,7 +355,7 @@ def _mean_over(x: torch.Tensor, select: torch.Tensor) -> np.ndarray:
     """Mean over the selected following queries of x (b=1, h_q, f): (h_q,), NaN when none is selected."""
     if not bool(select.any()):
         return np.full(x.shape[1], np.nan)
-    return x[0][:, select].mean(-1).double().numpy()
+    return x[0][:, select.to(x.device)].mean(-1).double().cpu().numpy()
 
 
 @torch.no_grad()

@@ -23,16 +23,22 @@ back) and a dense tail shared in length by every segment. Four paths compute the
 2. ``flash`` when the query is on CUDA in float16/bfloat16, ``flash_attn`` imports, the head size is one
    flash-attn supports, and the tail mask is plain causal (no padded tail entries).
 3. ``uniform`` when every segment holds the same number of context entries.
-4. ``padded`` when its padded keys hold at most ``PADDING_FACTOR`` times the entries the layer stores, i.e.
-   ``segments * (max_len + tail) <= PADDING_FACTOR * (kept + segments * tail)`` (the padding waste is
-   ``segments * max_len - kept`` entries), and, on CPU, the padded keys take at most ``CPU_PADDED_MAX_BYTES``.
-5. ``segments`` otherwise: budgets so uneven that padding would waste more than the factor allows, or, on CPU,
-   a layer so large that the per-segment loop is faster.
+4. ``padded``: on CUDA, when the padded keys take at most ``CUDA_PADDED_MAX_BYTES``; on CPU, when they hold at
+   most ``PADDING_FACTOR`` times the entries the layer stores, i.e. ``segments * (max_len + tail) <=
+   PADDING_FACTOR * (kept + segments * tail)`` (the padding waste is ``segments * max_len - kept`` entries), and
+   take at most ``CPU_PADDED_MAX_BYTES``.
+5. ``segments`` otherwise: on CPU, budgets so uneven that padding would waste more than the factor allows, or a
+   layer so large that the per-segment loop is faster; on CUDA, padded keys beyond the byte limit.
 
 Why the CPU size limit: the per-segment loop copies each segment and attends over it while it is still in the
 processor's cache; the padded path writes all segments (padding included) and reads them back. Measured on
 2 x86 cores (one thread, bfloat16, d = 64, decoding one token), the padded path is 1.3-7x faster up to about
 4 MiB of padded keys (32k entries at d = 64 in bfloat16) and up to 2.5x slower beyond.
+
+Why no padding factor on CUDA: a GPU reads the padding at its memory bandwidth, while the per-segment loop
+launches a few kernels per (row, KV head) in every layer at every step. On an H200 (Qwen2.5-0.5B's shape, random
+weights, AdaKV and CriticalKV-AdaKV at budget 0.2, 8k tokens, docs/benchmarks.md) the loop decoded at 34-43 ms per
+token at batch 1 and 68-72 ms at batch 4, the padded path at 31-33 ms at both.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from criticalkv.errors import CriticalKVError
 __all__ = [
     "ATTENTION_ENV_VAR",
     "CPU_PADDED_MAX_BYTES",
+    "CUDA_PADDED_MAX_BYTES",
     "PADDING_FACTOR",
     "PATHS",
     "choose_path",
@@ -62,10 +69,12 @@ __all__ = [
 
 ATTENTION_ENV_VAR = "CRITICALKV_ATTENTION"
 PATHS = ("auto", "flash", "uniform", "padded", "segments")
-#: The padded path runs when its padded key tensor holds at most this many times the layer's stored entries.
+#: On CPU, the padded path runs when its padded key tensor holds at most this many times the layer's stored entries
 PADDING_FACTOR = 4.0
 #: On CPU, the padded path runs when its padded key tensor takes at most this many bytes (module docstring).
 CPU_PADDED_MAX_BYTES = 4 * 2**20
+#: On CUDA, the padded path runs when its padded key tensor takes at most this many bytes.
+CUDA_PADDED_MAX_BYTES = 2**30
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
 
@@ -108,7 +117,7 @@ def one_call_attention(
         )  # (b, 1 or h_kv, G*q, width + tail)
     folded = query.reshape(b, h_kv, g * q, d)  # query heads of a KV head are adjacent
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
-    return out.view(b, h_q, q, d).transpose(1, 2)
+    return out.reshape(b, h_q, q, d).transpose(1, 2)  # SDPA on a GPU may return a non-contiguous (b, h, q, d)
 
 
 # --- the uniform path ------------------------------------------------------------------------------------------
@@ -195,16 +204,18 @@ def padded_attention(
 
 
 def padding_fits(layer: CompressedLayer, tail: int) -> bool:
-    """Whether the padded path may run on this layer (rule 4 of the module docstring): its padded keys hold at
-    most ``PADDING_FACTOR`` x the entries the layer stores and, on CPU, at most ``CPU_PADDED_MAX_BYTES``."""
+    """Whether the padded path may run on this layer (rule 4 of the module docstring): on CUDA its padded keys take
+    at most ``CUDA_PADDED_MAX_BYTES``; on CPU they hold at most ``PADDING_FACTOR`` x the entries the layer stores
+    and take at most ``CPU_PADDED_MAX_BYTES``."""
     segments = layer.lengths.numel()
     width = int(layer.lengths.max()) if segments else 0
     padded = segments * (width + tail)
-    stored = layer.context_keys.shape[0] + segments * tail
-    if padded > PADDING_FACTOR * max(stored, 1):
-        return False
     keys = layer.context_keys
-    return keys.is_cuda or padded * keys.shape[-1] * keys.element_size() <= CPU_PADDED_MAX_BYTES
+    padded_bytes = padded * keys.shape[-1] * keys.element_size()
+    if keys.is_cuda:
+        return padded_bytes <= CUDA_PADDED_MAX_BYTES
+    stored = keys.shape[0] + segments * tail
+    return padded <= PADDING_FACTOR * max(stored, 1) and padded_bytes <= CPU_PADDED_MAX_BYTES
 
 
 # --- the flash-attn path ----------------------------------------------------------------------------------------

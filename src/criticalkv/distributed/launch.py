@@ -95,10 +95,13 @@ def load_model(
     tp_size: int | None = None,
     pp_size: int | None = None,
     attn_implementation: str = "sdpa",
+    device: str = "auto",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``criticalkv.models.load_model``, split over the processes ``torchrun`` launched.
 
-    In a plain run (one process) this is ``load_model`` itself. Under ``torchrun`` the model is loaded with
+    In a plain run (one process) this is ``load_model`` itself, on ``device`` (``"auto"``: the GPU when there is
+    one). Under ``torchrun`` each rank's part goes where transformers places it (its ``LOCAL_RANK`` GPU, or the
+    CPU), and ``device`` must be ``"auto"``. Under ``torchrun`` the model is loaded with
     transformers' ``DistributedConfig(tp_size, pp_size)`` (defaults: ``parallel_sizes``); a preset is converted
     once, by rank 0, while the others wait. The heads are checked before any weight is loaded
     (``UnevenHeadsError``).
@@ -109,7 +112,9 @@ def load_model(
 
     tp, pp = parallel_sizes(tp_size, pp_size)
     if tp * pp == 1:
-        return presets.load_model(name_or_path, dtype=dtype, attn_implementation=attn_implementation)
+        return presets.load_model(name_or_path, dtype=dtype, device=device, attn_implementation=attn_implementation)
+    if device != "auto":
+        raise CriticalKVError(f"--device {device}: under torchrun each rank runs on its own device; leave it 'auto'")
     init_process_group()
     if name_or_path in presets.PRESETS and is_main_process():
         presets.resolve_model_folder(name_or_path)  # converts on first use; the other ranks wait below

@@ -15,7 +15,7 @@ from criticalkv.distributed import launch
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.report import write_report
 from criticalkv.eval.sweep import REGIMES, load_rows, pair_label, run_sweep
-from criticalkv.models.presets import DEFAULT_PRESET
+from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP
 
 app = typer.Typer(help="Benchmarks: RULER and needle-in-a-haystack, generated offline.", no_args_is_help=True)
 console = Console()
@@ -52,6 +52,7 @@ def ruler(
     seed: Annotated[int, typer.Option(help="Seed of the generated samples.")] = 0,
     out: Annotated[Path | None, typer.Option(help="Results folder (resumes if it has results).")] = None,
     batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = False,
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
 ) -> None:
     """RULER's 13 tasks: every method and budget against the full cache, with compression loss."""
     from criticalkv.eval import ruler as ruler_data
@@ -64,7 +65,7 @@ def ruler(
         parsed = [Budget.parse(b) for b in _split(budgets)]
         regime = "aware" if question_aware else "agnostic"
         folder = out or Path("results") / f"ruler-{Path(model).name}-{length}-{regime}"
-        loaded, tokenizer = launch.load_model(model)
+        loaded, tokenizer = launch.load_model(model, device=device)
         max_length = getattr(loaded.config, "max_position_embeddings", None)
         if max_length is not None and length > max_length:
             raise CriticalKVError(f"length {length} exceeds the model's maximum of {max_length} positions")
@@ -124,6 +125,7 @@ def needle(
     seed: Annotated[int, typer.Option(help="Seed of the needles.")] = 0,
     out: Annotated[Path | None, typer.Option(help="Results folder.")] = None,
     batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = False,
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
 ) -> None:
     """Needle in a haystack over depths x lengths: one heatmap per method."""
     from criticalkv.eval.needle_grid import needle_grid, plot_heatmap
@@ -132,7 +134,7 @@ def needle(
         parsed = Budget.parse(budget)
         regime = "aware" if question_aware else "agnostic"
         folder = out or Path("results") / f"needle-{Path(model).name}-{regime}"
-        loaded, tokenizer = launch.load_model(model)
+        loaded, tokenizer = launch.load_model(model, device=device)
         grid = {"lengths": [int(x) for x in _split(lengths)], "depths": [float(x) for x in _split(depths)]}
         cells = needle_grid(tokenizer, grid["lengths"], grid["depths"], seed)
         items = [

@@ -301,6 +301,40 @@ def resolve_model_folder(name: str) -> Path:
     return final
 
 
+DEVICE_HELP = "auto (the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N."
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The torch device a model runs on: ``"auto"`` (the first GPU when torch sees one, else the CPU), ``"cpu"``,
+    ``"cuda"`` or ``"cuda:N"``.
+
+    Raises
+    ------
+    CriticalKVError
+        Not a device name, or a GPU torch does not see (no CUDA build, no GPU, an index past the last one).
+    """
+    if isinstance(device, torch.device):
+        chosen = device
+    elif device == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        try:
+            chosen = torch.device(device)
+        except RuntimeError:
+            raise CriticalKVError(f"Unknown device '{device}': use 'auto', 'cpu', 'cuda' or 'cuda:N'.") from None
+    if chosen.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise CriticalKVError(
+                f"Device '{device}' asked for, but torch sees no CUDA GPU (torch {torch.__version__})."
+            )
+        if chosen.index is not None and chosen.index >= count:
+            raise CriticalKVError(f"Device '{device}' asked for, but torch sees {count} CUDA GPU(s).")
+    elif chosen.type != "cpu":
+        raise CriticalKVError(f"Device '{device}': criticalkv runs on 'cpu' and 'cuda' devices.")
+    return chosen
+
+
 def _as_dtype(dtype: torch.dtype | str, auto: torch.dtype | str) -> torch.dtype | str:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -316,7 +350,7 @@ def _as_dtype(dtype: torch.dtype | str, auto: torch.dtype | str) -> torch.dtype 
 def load_model(
     name_or_path: str = DEFAULT_PRESET,
     dtype: torch.dtype | str = "auto",
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
     distributed_config: object | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -329,8 +363,9 @@ def load_model(
         ``config.json``, or a hub id (passed to ``from_pretrained``; fails offline).
     dtype : torch.dtype or str
         ``"auto"`` means bfloat16 for presets and the checkpoint's own dtype otherwise.
-    device : str
-        Torch device the model is moved to.
+    device : str or torch.device
+        Where the model runs: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (see ``resolve_device``; checked
+        before anything is loaded).
     attn_implementation : str
         Passed to ``from_pretrained`` (``"sdpa"``, ``"eager"``, ...).
     distributed_config : transformers.distributed.DistributedConfig, optional
@@ -350,6 +385,7 @@ def load_model(
     ModelAssetError
         A preset's packages are missing or corrupt.
     """
+    target = resolve_device(device) if distributed_config is None else None
     is_preset = name_or_path in PRESETS
     torch_dtype = _as_dtype(dtype, torch.bfloat16 if is_preset else "auto")
     if is_preset:
@@ -383,4 +419,4 @@ def load_model(
         return model.eval(), AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation=attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(source)
-    return model.to(device).eval(), tokenizer
+    return model.to(target).eval(), tokenizer

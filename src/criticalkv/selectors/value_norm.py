@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
-# Largest intermediate (b, h_kv, chunk, G * hidden) built at once, in elements (2 MiB in float32): it stays in
-# cache, and bounds the memory of long contexts.
+# Largest intermediate (b, h_kv, chunk, G * hidden) built at once, in elements. On a CPU 2 MiB in float32: it stays
+# in cache, and bounds the memory of long contexts. On a GPU 256 MiB: every chunk costs a few kernel launches, and
+# with CPU-sized chunks an 8B model at 32k tokens would launch hundreds of thousands of tiny products.
 _CHUNK_ELEMENTS = 512 * 1024
+_CHUNK_ELEMENTS_CUDA = 64 * 1024 * 1024
 
 
 def projected_value_norm(
@@ -38,7 +40,8 @@ def projected_value_norm(
     # (hidden, h_kv, G, d) -> (h_kv, d, G, hidden) -> (h_kv, d, G*hidden): one matmul per KV head for the group
     dtype = values.dtype if compute_dtype is None else compute_dtype
     w = o_proj_weight.to(dtype).view(hidden, h_kv, g, d).permute(1, 3, 2, 0).reshape(h_kv, d, g * hidden)
-    chunk = max(1, _CHUNK_ELEMENTS // max(1, b * h_kv * g * hidden))
+    budget = _CHUNK_ELEMENTS_CUDA if values.is_cuda else _CHUNK_ELEMENTS
+    chunk = max(1, budget // max(1, b * h_kv * g * hidden))
     out = values.new_empty((b, h_kv, g, t) if per_head else (b, h_kv, t), dtype=torch.float32)
     for start in range(0, t, chunk):
         v = values[:, :, start : start + chunk].to(dtype)  # (b, h_kv, c, d)
