@@ -268,3 +268,15 @@ def test_ruler_command_on_a_device(tiny_folder, tmp_path, device):
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert {r["method"] for r in rows} >= {"full", "snapkv", "critical-adakv"} and len(rows) >= 6
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where torch sees no GPU")
+def test_commands_refuse_a_gpu_torch_does_not_see(tiny_folder):
+    from typer.testing import CliRunner
+
+    from criticalkv.cli import app
+
+    for args in (["run"], ["eval", "ruler", "--tasks", "vt"], ["perturbation", "--n", "1"]):
+        result = CliRunner().invoke(app, [*args, "--model", str(tiny_folder), "--device", "cuda"])
+        assert result.exit_code == 2, (args, result.output)
+        assert "sees no CUDA GPU" in result.output, args

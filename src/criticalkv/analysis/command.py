@@ -284,7 +284,7 @@ def run_analysis(
     generate: int = 16,
     seed: int = 0,
     dtype: str = "auto",
-    device: str = "auto",
+    device: str = "cpu",
     hidden: bool = True,
     stepwise: bool = False,
     window_queries: int = 32,
