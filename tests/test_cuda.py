@@ -276,7 +276,21 @@ def test_commands_refuse_a_gpu_torch_does_not_see(tiny_folder):
 
     from criticalkv.cli import app
 
-    for args in (["run"], ["eval", "ruler", "--tasks", "vt"], ["perturbation", "--n", "1"]):
+    for args in (["run"], ["eval", "ruler", "--tasks", "vt"], ["perturbation", "--n", "1"], ["calibrate-heads"]):
         result = CliRunner().invoke(app, [*args, "--model", str(tiny_folder), "--device", "cuda"])
         assert result.exit_code == 2, (args, result.output)
         assert "sees no CUDA GPU" in result.output, args
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_calibrate_heads_command_on_a_device(tiny_folder, tmp_path, device):
+    from typer.testing import CliRunner
+
+    from criticalkv.cli import app
+
+    out = tmp_path / "profile.json"
+    args = ["calibrate-heads", "--model", str(tiny_folder), "--samples", "2", "--lengths", "96", "--device", device]
+    result = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    profile = json.loads(out.read_text())
+    assert len(profile["importance"]) == 2 and len(profile["importance"][0]) == 2  # layers x KV heads
