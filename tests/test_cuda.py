@@ -19,6 +19,7 @@ from test_fused_attention import make_case, run_path
 from test_runtime import NEW, _generate, _ids, _keep_by_layer, _left_padded, _masked_reference, _model
 from test_shared_prefill import PAIRS
 from test_shared_prefill import _model as _shared_model
+from test_sweep import _tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import criticalkv
@@ -202,19 +203,11 @@ def test_compressed_cache_gives_its_memory_back_to_cuda():
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory, tiny_tokenizer):
-    """A 2-layer Llama over the tiny tokenizer, long enough for RULER's variable tracking at 2,400 tokens."""
-    config = LlamaConfig(
-        vocab_size=len(tiny_tokenizer),
-        hidden_size=96,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-    )
+    """test_sweep's 2-layer Llama over the tiny tokenizer, long enough for RULER's variable tracking at 2,400
+    tokens."""
     torch.manual_seed(7)
     folder = tmp_path_factory.mktemp("tiny-llama")
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    _tiny_model(LlamaConfig, tiny_tokenizer, max_position_embeddings=4096).save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
     return folder
 

@@ -100,11 +100,10 @@ def load_model(
     """``criticalkv.models.load_model``, split over the processes ``torchrun`` launched.
 
     In a plain run (one process) this is ``load_model`` itself, on ``device`` (``"auto"``: the GPU when there is
-    one). Under ``torchrun`` each rank's part goes where transformers places it (its ``LOCAL_RANK`` GPU, or the
-    CPU), and ``device`` must be ``"auto"``. Under ``torchrun`` the model is loaded with
-    transformers' ``DistributedConfig(tp_size, pp_size)`` (defaults: ``parallel_sizes``); a preset is converted
-    once, by rank 0, while the others wait. The heads are checked before any weight is loaded
-    (``UnevenHeadsError``).
+    one). Under ``torchrun`` the model is loaded with transformers' ``DistributedConfig(tp_size, pp_size)``
+    (defaults: ``parallel_sizes``), each rank's part where transformers places it (its ``LOCAL_RANK`` GPU, or the
+    CPU), so ``device`` must be ``"auto"``; a preset is converted once, by rank 0, while the others wait. The heads
+    are checked before any weight is loaded (``UnevenHeadsError``).
     """
     from transformers.distributed import DistributedConfig
 
