@@ -57,3 +57,28 @@ def test_summarise_medians_fractions_and_ratios() -> None:
     assert snap["ours"]["kv_fraction_of_full"] == pytest.approx(0.2)
     assert snap["ratio_ours_over_kvpress"]["kv_bytes"] == pytest.approx(1.0)
     assert full["repeats"] == 3
+
+
+def test_gpu_benchmark_method_specs_and_summary() -> None:
+    from gpu_speed_memory import parse_spec
+    from gpu_speed_memory import summarise as summarise_gpu
+
+    assert parse_spec("critical-adakv") == ("critical-adakv", {}, "auto")
+    assert parse_spec("critical-snapkv@norm_dtype=model@window=16") == (
+        "critical-snapkv",
+        {"norm_dtype": "model", "window": 16},
+        "auto",
+    )
+    assert parse_spec("adakv@attention=segments") == ("adakv", {}, "segments")
+    run = {"ttft_seconds": 2.0, "decode_ms_per_token_median": 10.0, "kv_bytes": 100, "peak_cuda_above_start_bytes": 50}
+    runs = [
+        {"length": 8, "batch": 1, "method": "full", **run},
+        {"length": 8, "batch": 1, "method": "snapkv", **run, "kv_bytes": 20, "ttft_seconds": 1.0},
+        {"length": 8, "batch": 1, "method": "snapkv", **run, "kv_bytes": 20, "ttft_seconds": 3.0},
+        {"length": 8, "batch": 4, "method": "snapkv", **run},  # no full run at batch 4: no ratios
+    ]
+    rows = {(r["batch"], r["method"]): r for r in summarise_gpu(runs)}
+    assert rows[1, "snapkv"]["repeats"] == 2 and rows[1, "snapkv"]["ttft_seconds"] == 2.0
+    assert rows[1, "snapkv"]["relative_to_full"]["kv_bytes"] == 0.2
+    assert rows[1, "full"]["relative_to_full"]["ttft_seconds"] == 1.0
+    assert "relative_to_full" not in rows[4, "snapkv"]
