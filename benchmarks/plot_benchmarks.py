@@ -165,6 +165,21 @@ def speed_tables(summary: list[dict], clock: str) -> str:
     )
 
 
+def answer_cells(ours: str, theirs: str, context: int = 20, width: int = 60) -> tuple[str, str]:
+    """Two answers as Markdown table cells, each from ``context`` characters before their first difference.
+
+    The common start is shown as "…", newlines as "⏎" and pipes as "/", so a cell stays on one table row.
+    """
+    common = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    start = max(0, common - context)
+
+    def cell(text: str) -> str:
+        shown = text[start : start + width].replace("\n", "⏎").replace("|", "/")
+        return ("…" if start else "") + shown + ("…" if len(text) > start + width else "")
+
+    return cell(ours), cell(theirs)
+
+
 def quality_tables(report: dict) -> str:
     """Markdown: agreement and scores per method, then every disagreement."""
     lines = [
@@ -189,7 +204,7 @@ def quality_tables(report: dict) -> str:
             where = f"heads identical {kept['heads_identical']}" if kept else "–"
             if "first_layer" in kept:
                 where += f", first differing layer {kept['first_layer']}"
-            ours, theirs = d["ours"].replace("|", "/")[:60], d["kvpress"].replace("|", "/")[:60]
+            ours, theirs = answer_cells(d["ours"], d["kvpress"])
             lines.append(
                 f"| `{method}` | {d['key']} | {ours} ({d['ours_score']:.0f}) | {theirs} ({d['kvpress_score']:.0f}) | "
                 f"{where} |"

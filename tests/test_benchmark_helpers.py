@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
+from plot_benchmarks import answer_cells
 from quality_vs_kvpress import trim_at_eos
 from speed_memory import kvpress_ratio, summarise
 
@@ -82,3 +83,14 @@ def test_gpu_benchmark_method_specs_and_summary() -> None:
     assert rows[1, "snapkv"]["relative_to_full"]["kv_bytes"] == 0.2
     assert rows[1, "full"]["relative_to_full"]["ttft_seconds"] == 1.0
     assert "relative_to_full" not in rows[4, "snapkv"]
+
+
+def test_answer_cells_start_near_the_first_difference_on_one_line() -> None:
+    common = ":\n\n1. 1138554\n2. 1138556\n3. 1138557\n4. 1138558\n5. 1138560\n"
+    ours, theirs = answer_cells(common + "\nThese | numbers", common + "6. 1138561\n7.", context=8, width=25)
+    assert ours == "…1138560⏎⏎These / numbers"
+    assert theirs == "…1138560⏎6. 1138561⏎7."
+    assert answer_cells("same", "same") == ("same", "same")
+    assert answer_cells("ab", "abc") == ("ab", "abc")
+    long = "x" * 30
+    assert answer_cells(long + "a", long + "b", context=5, width=4) == ("…xxxx…", "…xxxx…")
