@@ -123,10 +123,15 @@ def source_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def _run_child(command: list[str]) -> dict:
-    # glibc keeps freed large blocks in its heap unless they were mmapped: with a 64 KiB threshold every tensor
-    # buffer is mmapped and returned on free, so peak RSS measures live memory, not the allocator's retention.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "65536")}
+def _run_child(command: list[str], allocator: str) -> dict:
+    """Run one measurement process; ``allocator`` "mmap" or "glibc" (see ``--allocator``)."""
+    env = dict(os.environ)
+    if allocator == "mmap":
+        # glibc keeps freed large blocks in its heap unless they were mmapped: with a 64 KiB threshold every tensor
+        # buffer is mmapped and returned on free, so peak RSS measures live memory, not the allocator's retention.
+        env["MALLOC_MMAP_THRESHOLD_"] = env.get("MALLOC_MMAP_THRESHOLD_", "65536")
+    else:
+        env.pop("MALLOC_MMAP_THRESHOLD_", None)
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")
@@ -144,8 +149,8 @@ def run_once(args: argparse.Namespace, system: str, method: str, folder: Path, i
         command += ["--input", str(ids_file), "--press", PRESS_OF[method], "--dtype", args.dtype]
         command += ["--compression-ratio", repr(kvpress_ratio(args.budget, tokens) if method != "full" else 0.0)]
         command += ["--warmup-tokens", str(args.warmup_tokens)]
-    result = _run_child(command + shared)
-    result["method"] = method
+    result = _run_child(command + shared, args.allocator)
+    result.update(method=method, allocator=args.allocator)
     return result
 
 
@@ -246,6 +251,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--out", type=Path, default=Path("results/speed_memory.json"))
+    parser.add_argument(
+        "--allocator",
+        choices=("mmap", "glibc"),
+        default="mmap",
+        help="mmap: every tensor buffer mmapped and returned on free, so peak RSS is live memory (the page faults "
+        "add CPU time, more to the method that allocates more); glibc: its defaults, for times (peak RSS then "
+        "includes what the allocator retains)",
+    )
     parser.add_argument("--resume", action="store_true", help="keep the runs already in --out, run the rest")
     parser.add_argument("--single", help=argparse.SUPPRESS)  # internal: one run of one method in this process
     parser.add_argument("--ids", type=Path, help=argparse.SUPPRESS)  # internal: the token ids of that run
