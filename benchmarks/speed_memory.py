@@ -123,7 +123,7 @@ def source_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def _run_child(command: list[str], allocator: str) -> dict:
+def run_child(command: list[str], allocator: str) -> dict:
     """Run one measurement process; ``allocator`` "mmap" or "glibc" (see ``--allocator``)."""
     env = dict(os.environ)
     if allocator == "mmap":
@@ -149,7 +149,7 @@ def run_once(args: argparse.Namespace, system: str, method: str, folder: Path, i
         command += ["--input", str(ids_file), "--press", PRESS_OF[method], "--dtype", args.dtype]
         command += ["--compression-ratio", repr(kvpress_ratio(args.budget, tokens) if method != "full" else 0.0)]
         command += ["--warmup-tokens", str(args.warmup_tokens)]
-    result = _run_child(command + shared, args.allocator)
+    result = run_child(command + shared, args.allocator)
     result.update(method=method, allocator=args.allocator)
     return result
 

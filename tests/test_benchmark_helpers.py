@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from plot_benchmarks import answer_cells
 from quality_vs_kvpress import trim_at_eos
-from speed_memory import kvpress_ratio, summarise
+from speed_memory import kvpress_ratio, run_child, summarise
 
 
 @given(t=st.integers(min_value=64, max_value=200_000), tenths=st.integers(min_value=1, max_value=9))
@@ -94,3 +94,13 @@ def test_answer_cells_start_near_the_first_difference_on_one_line() -> None:
     assert answer_cells("ab", "abc") == ("ab", "abc")
     long = "x" * 30
     assert answer_cells(long + "a", long + "b", context=5, width=4) == ("…xxxx…", "…xxxx…")
+
+
+def test_allocator_setting_reaches_the_measurement_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    show = [sys.executable, "-c", "import json, os; print(json.dumps(os.environ.get('MALLOC_MMAP_THRESHOLD_')))"]
+    assert run_child(show, "mmap") == "65536"
+    assert run_child(show, "glibc") is None
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert run_child(show, "mmap") == "131072"  # a threshold the user set is kept
+    assert run_child(show, "glibc") is None
