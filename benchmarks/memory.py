@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from timed_generation import child_environment, peak_memory_above, reset_peak_memory
 
 from criticalkv.cache import CompressedLayer
 from criticalkv.cache.fused_attention import ATTENTION_ENV_VAR, PATHS
@@ -29,6 +30,8 @@ from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encod
 from criticalkv.models.families import head_dim
 from criticalkv.models.presets import load_model
 from criticalkv.runtime.session import ContextSession
+
+CPU = torch.device("cpu")
 
 
 def measure(model_name: str, method: str, budget: str, tokens: int, decode_tokens: int, dtype: str) -> dict:
@@ -39,7 +42,7 @@ def measure(model_name: str, method: str, budget: str, tokens: int, decode_token
     prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
     ids = torch.tensor([prefix_ids + suffix_ids])
     session = ContextSession(model, method, budget)
-    rss_before = _reset_peak_rss()  # loading the weights peaks higher than a prefill: measure from here on
+    start_memory = reset_peak_memory(CPU)  # loading the weights peaks higher than a prefill: measure from here on
     start = time.perf_counter()
     session.prefill(ids)
     prefill = time.perf_counter() - start
@@ -49,6 +52,7 @@ def measure(model_name: str, method: str, budget: str, tokens: int, decode_token
     compressed = [layer for layer in session.cache.layers if isinstance(layer, CompressedLayer) and layer.is_compressed]
     bookkeeping = sum(layer.lengths.nbytes for layer in compressed)
     generation = session.ask(None, max_new_tokens=decode_tokens)  # no eos: always decode_tokens tokens
+    above = peak_memory_above(CPU, start_memory)["peak_rss_above_start_bytes"]
     return {
         "method": method,
         "budget": budget,
@@ -60,24 +64,10 @@ def measure(model_name: str, method: str, budget: str, tokens: int, decode_token
         "kv_bytes": kv_bytes,
         "kv_bytes_of_entries": entries * 2 * head_dim(model.config) * itemsize,
         "bookkeeping_bytes": bookkeeping,
-        "rss_before_prefill_bytes": rss_before,
-        "peak_rss_bytes": _status_bytes("VmHWM"),
-        "peak_rss_above_start_bytes": _status_bytes("VmHWM") - rss_before,
+        "rss_before_prefill_bytes": start_memory["rss"],
+        "peak_rss_bytes": start_memory["rss"] + above,
+        "peak_rss_above_start_bytes": above,
     }
-
-
-def _status_bytes(field: str) -> int:
-    """A memory figure of this process from /proc/self/status (Linux), in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak_rss() -> int:
-    """Reset the peak-RSS mark (VmHWM) to the current RSS; return the current RSS in bytes."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status_bytes("VmRSS")
 
 
 def main() -> None:
@@ -112,9 +102,7 @@ def main() -> None:
             for k in ("model", "tokens", "budget", "decode_tokens", "dtype", "threads", "attention")
             for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))
         ]
-        # glibc keeps freed large blocks in its heap unless they were mmapped: with a 64 KiB threshold every tensor
-        # buffer is mmapped and returned on free, so peak RSS measures live memory, not the allocator's retention.
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "65536")}
+        env = child_environment("mmap")  # peak RSS measures live memory
         done = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
         r = runs[-1]

@@ -124,15 +124,10 @@ def source_digest() -> str:
 
 
 def run_child(command: list[str], allocator: str) -> dict:
-    """Run one measurement process; ``allocator`` "mmap" or "glibc" (see ``--allocator``)."""
-    env = dict(os.environ)
-    if allocator == "mmap":
-        # glibc keeps freed large blocks in its heap unless they were mmapped: with a 64 KiB threshold every tensor
-        # buffer is mmapped and returned on free, so peak RSS measures live memory, not the allocator's retention.
-        env["MALLOC_MMAP_THRESHOLD_"] = env.get("MALLOC_MMAP_THRESHOLD_", "65536")
-    else:
-        env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    """Run one measurement process; ``allocator`` "mmap" or "glibc" (``timed_generation.child_environment``)."""
+    from timed_generation import child_environment
+
+    done = subprocess.run(command, capture_output=True, text=True, env=child_environment(allocator))
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

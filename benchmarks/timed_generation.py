@@ -9,19 +9,37 @@ only the wall clock means anything.
 
 Memory: peak resident set size (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``) above the RSS just before
 the prefill, and on a GPU the peak of ``torch.cuda.max_memory_allocated`` above what was allocated then. Run the
-process with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors leave the process and RSS tracks live memory.
+process in ``child_environment("mmap")`` so that freed tensors leave the process and RSS tracks live memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+
+def child_environment(allocator: str = "mmap") -> dict[str, str]:
+    """The environment of a measurement process: this one's, with glibc's allocator set for ``allocator``.
+
+    "mmap": glibc keeps freed large blocks in its heap unless they were mmapped; with a 64 KiB threshold (or the one
+    already set) every tensor buffer is mmapped and returned on free, so peak RSS measures live memory, not the
+    allocator's retention, at the cost of page faults that add CPU time. "glibc": its defaults, for times.
+    """
+    if allocator not in ("mmap", "glibc"):
+        raise ValueError(f"allocator must be 'mmap' or 'glibc', got {allocator!r}")
+    env = dict(os.environ)
+    if allocator == "mmap":
+        env["MALLOC_MMAP_THRESHOLD_"] = env.get("MALLOC_MMAP_THRESHOLD_", "65536")
+    else:
+        env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    return env
 
 
 def _status_bytes(field: str) -> int:

@@ -104,3 +104,5 @@ def test_allocator_setting_reaches_the_measurement_process(monkeypatch: pytest.M
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
     assert run_child(show, "mmap") == "131072"  # a threshold the user set is kept
     assert run_child(show, "glibc") is None
+    with pytest.raises(ValueError, match="allocator"):
+        run_child(show, "jemalloc")
