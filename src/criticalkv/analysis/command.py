@@ -379,7 +379,7 @@ def run_analysis(
             dtype=str(lm.dtype).removeprefix("torch."),
             device=str(lm.device),
             attention=lm.config._attn_implementation,
-            tokenizer=f"{type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '')})",
+            tokenizer=type(tokenizer).__name__,  # the class: its folder is this machine's path
             weights=MODEL_PRESETS[model].description if model in MODEL_PRESETS else "as stored in the model folder",
             layers=config.num_hidden_layers,
             query_heads=config.num_attention_heads,
