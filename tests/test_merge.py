@@ -60,3 +60,20 @@ def test_merge_refuses_other_settings_other_answers_and_a_missing_out(tmp_path):
         merge_sweeps([a, c], a)
     result = CliRunner().invoke(app, ["report", str(a), str(c)])
     assert result.exit_code == 2 and "give --out" in result.output
+
+
+def test_report_of_some_methods_keeps_the_full_cache_and_needs_a_new_folder(tmp_path):
+    rows = [_row("qa_1", "full", 1.0, "Paris", 100.0), _row("qa_1", "snapkv", 0.2, "Rome")]
+    rows.append(_row("qa_1", "adakv", 0.2, ""))
+    a = _folder(tmp_path / "a", rows)
+    assert merge_sweeps([a], tmp_path / "m", methods=["snapkv"]) == 2
+    assert sorted(r.method for r in load_rows(tmp_path / "m" / "results.jsonl")) == ["full", "snapkv"]
+    with pytest.raises(CriticalKVError, match=r"no rows of \['nope'\]"):
+        merge_sweeps([a], tmp_path / "n", methods=["snapkv", "nope"])
+    result = CliRunner().invoke(app, ["report", str(a), "--methods", "snapkv"])
+    assert result.exit_code == 2 and "give --out" in result.output
+    result = CliRunner().invoke(app, ["report", str(a), "--methods", "adakv", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / "r" / "report.md").read_text()
+    assert "| adakv | 0.2 |" in text and "snapkv" not in text
+    assert not (a / "report.md").exists()  # the folder's own report is left alone

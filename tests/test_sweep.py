@@ -1,7 +1,7 @@
 """The sweep runner answers every sample with every pair, resumes after an interruption, and reports."""
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import pytest
 import torch
@@ -128,6 +128,18 @@ def test_report_loss_compares_with_the_full_cache_on_the_same_samples(tmp_path):
     by_method = {e["method"]: e for e in summarise(rows)["rows"]}
     assert by_method["full"]["mean"] == 75.0  # (50 + 100) / 2 over every sample
     assert by_method["snapkv"]["loss"] == 0.5  # against the full cache's 100 on sample a#0, not its 75 overall
+
+
+def test_report_names_each_rows_samples_when_they_differ(tmp_path):
+    rows = [Row(t, i, "agnostic", "full", 1.0, 100.0, "", 100, 1.0) for t in ("a", "b") for i in range(2)]
+    rows += [Row("a", i, "agnostic", "snapkv", 0.2, 0.0, "", 100, 0.2) for i in range(2)]
+    rows += [Row("b", 0, "agnostic", "snapkv", 0.2, 0.0, "", 100, 0.2)]
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(asdict(r)) for r in rows))
+    text = write_report(tmp_path).read_text()
+    assert "Samples per task: per row (column samples)." in text
+    assert "| method | budget | samples | a | b | mean | loss |" in text
+    assert "| full |  | 2 | 100.0 | 100.0 | 100.0 |  |" in text
+    assert "| snapkv | 0.2 | 1-2 | 0.0 | 0.0 | 0.0 | 100.0% |" in text
 
 
 def test_eval_cli_refuses_bad_input():

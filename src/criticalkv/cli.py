@@ -295,19 +295,25 @@ def calibrate_heads(
 def report(
     results_dirs: Annotated[list[Path], typer.Argument(help="Folders with a sweep's results.jsonl.")],
     out: Annotated[
-        Path | None, typer.Option(help="With several folders: the new folder of their merged rows and report.")
+        Path | None,
+        typer.Option(help="With several folders or --methods: the new folder of their merged rows and report."),
+    ] = None,
+    methods: Annotated[
+        str | None, typer.Option(help="Comma-separated methods to keep (and the full cache); needs --out.")
     ] = None,
 ) -> None:
     """Redraw the tables and plots of a sweep from its saved results; several folders of the same samples (a run
-    split over processes, or extended later with other methods or budgets) are merged into --out first."""
+    split over processes, or extended later with other methods or budgets) are merged into --out first, and
+    --methods keeps some methods' rows only (a folder's own report is never overwritten with a subset)."""
     from criticalkv.eval.merge import merge_sweeps
     from criticalkv.eval.report import write_report
 
     try:
-        if len(results_dirs) > 1 or out is not None:
+        kept = None if methods is None else [m.strip() for m in methods.split(",") if m.strip()]
+        if len(results_dirs) > 1 or out is not None or kept is not None:
             if out is None:
-                raise CriticalKVError("several folders are merged into a new one: give --out")
-            console.print(f"merged {merge_sweeps(results_dirs, out)} rows into {out}")
+                raise CriticalKVError("several folders, or --methods, are written into a new folder: give --out")
+            console.print(f"merged {merge_sweeps(results_dirs, out, kept)} rows into {out}")
             results_dirs = [out]
         if not (results_dirs[0] / "results.jsonl").is_file():
             raise CriticalKVError(f"no results.jsonl in {results_dirs[0]}")

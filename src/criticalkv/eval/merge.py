@@ -10,8 +10,10 @@ from criticalkv.errors import CriticalKVError
 from criticalkv.eval.sweep import SETTINGS_FILE, Row, load_rows, stored_settings
 
 
-def merge_sweeps(folders: list[Path], out: Path) -> int:
+def merge_sweeps(folders: list[Path], out: Path, methods: list[str] | None = None) -> int:
     """Write the rows of ``folders`` (each with a results.jsonl) into ``out``; returns the number of rows.
+
+    ``methods``: keep only these methods' rows and the full cache's (the loss needs it); each must have rows.
 
     The folders must hold sweeps with the same settings (their ``sweep.json``, where they have one: model, length,
     seed, ...). A (regime, task, index, method, budget) answered in several folders is kept once, and only if every
@@ -30,6 +32,8 @@ def merge_sweeps(folders: list[Path], out: Path) -> int:
         if not path.is_file():
             raise CriticalKVError(f"no results.jsonl in {folder}")
         for row in load_rows(path):
+            if methods is not None and row.method not in methods and row.method != "full":
+                continue
             key = (row.regime, row.task, row.index, row.method, float(row.budget))
             if key not in rows:
                 rows[key] = (row, folder)
@@ -39,6 +43,9 @@ def merge_sweeps(folders: list[Path], out: Path) -> int:
                     f"{key} is answered differently in {where} ({first.prediction!r}, batched={first.batched}) and "
                     f"{folder} ({row.prediction!r}, batched={row.batched}): merge folders of the same samples and code"
                 )
+    missing = sorted(set(methods or ()) - {row.method for row, _ in rows.values()})
+    if missing:
+        raise CriticalKVError(f"no rows of {missing} in {', '.join(map(str, folders))}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.jsonl").write_text("".join(json.dumps(asdict(row)) + "\n" for row, _ in rows.values()))
     if settings:

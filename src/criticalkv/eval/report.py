@@ -30,9 +30,10 @@ def summarise(rows: list[Row]) -> dict:
     for regime, method, budget, task in sorted(by_key, key=str):
         entry = table.setdefault(
             f"{regime}|{method}|{budget}",
-            {"regime": regime, "method": method, "budget": budget, "tasks": {}, "samples": 0},
+            {"regime": regime, "method": method, "budget": budget, "tasks": {}, "task_samples": {}, "samples": 0},
         )
         entry["tasks"][task] = mean(by_key[(regime, method, budget, task)])
+        entry["task_samples"][task] = len(by_key[(regime, method, budget, task)])
         entry["samples"] += len(by_key[(regime, method, budget, task)])
     for entry in table.values():
         entry["mean"] = mean(entry["tasks"].values())
@@ -60,6 +61,12 @@ def _mean_over_tasks(full: dict[tuple[str, int], float], samples: dict[tuple[str
     return mean(mean(scores) for scores in per_task.values()) if per_task else None
 
 
+def _sample_count(entry: dict) -> str:
+    """Samples per task of a summary row: "20", or "5-20" where its tasks have different counts."""
+    low, high = min(entry["task_samples"].values()), max(entry["task_samples"].values())
+    return f"{low}" if low == high else f"{low}-{high}"
+
+
 def _order(entry: dict) -> tuple:
     return (entry["regime"], entry["method"] != "full", entry["method"], float(entry["budget"]))
 
@@ -85,21 +92,24 @@ def write_report(results_dir: Path, title: str = "") -> Path:
             )
     lines = [f"# {title or 'Sweep results'}", ""]
     for regime in sorted({e["regime"] for e in summary["rows"]}):
-        counts = sorted({e["samples"] // max(len(e["tasks"]), 1) for e in summary["rows"] if e["regime"] == regime})
-        per_task = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
+        entries = [e for e in summary["rows"] if e["regime"] == regime]
+        counts = {_sample_count(e) for e in entries}
+        mixed = len(counts) > 1  # then each row says its own count
+        per_task = next(iter(counts)) if not mixed else "per row (column samples)"
         lines += [
             f"## question-{regime}",
             "",
             f"Samples per task: {per_task}. Loss: (full - method) / full, on the same samples.",
             "",
-            "| method | budget | " + " | ".join(tasks) + " | mean | loss |",
-            "|---|---|" + "---|" * (len(tasks) + 2),
+            "| method | budget | " + "samples | " * mixed + " | ".join(tasks) + " | mean | loss |",
+            "|---|---|" + "---|" * (len(tasks) + 2 + mixed),
         ]
-        for e in (e for e in summary["rows"] if e["regime"] == regime):
+        for e in entries:
             loss = "" if e["loss"] is None or e["method"] == "full" else f"{100 * e['loss']:.1f}%"
             cells = " | ".join(f"{e['tasks'].get(t, float('nan')):.1f}" for t in tasks)
             budget = "" if e["method"] == "full" else str(e["budget"])
-            lines.append(f"| {e['method']} | {budget} | {cells} | {e['mean']:.1f} | {loss} |")
+            samples = f"{_sample_count(e)} | " * mixed
+            lines.append(f"| {e['method']} | {budget} | {samples}{cells} | {e['mean']:.1f} | {loss} |")
         lines.append("")
         _plot_regime(summary, regime, results_dir / f"score_vs_budget_{regime}.png")
         lines += [f"![score against budget, question-{regime}](score_vs_budget_{regime}.png)", ""]
