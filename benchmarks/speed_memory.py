@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from timed_generation import ALLOCATORS, child_environment, timed_greedy
 
 HERE = Path(__file__).resolve().parent
 VENV = Path(os.environ.get("CRITICALKV_KVPRESS_VENV", Path.home() / ".cache/criticalkv/kvpress-venv"))
@@ -81,7 +82,6 @@ def kvpress_ratio(budget: str, prompt_tokens: int) -> float:
 def measure_ours(args: argparse.Namespace) -> dict:
     """One run of criticalkv in this process (``--single``)."""
     import transformers
-    from timed_generation import timed_greedy
     from transformers import DynamicCache
 
     import criticalkv
@@ -125,8 +125,6 @@ def source_digest() -> str:
 
 def run_child(command: list[str], allocator: str) -> dict:
     """Run one measurement process; ``allocator`` "mmap" or "glibc" (``timed_generation.child_environment``)."""
-    from timed_generation import child_environment
-
     done = subprocess.run(command, capture_output=True, text=True, env=child_environment(allocator))
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")
@@ -248,7 +246,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/speed_memory.json"))
     parser.add_argument(
         "--allocator",
-        choices=("mmap", "glibc"),
+        choices=ALLOCATORS,
         default="mmap",
         help="mmap: every tensor buffer mmapped and returned on free, so peak RSS is live memory (the page faults "
         "add CPU time, more to the method that allocates more); glibc: its defaults, for times (peak RSS then "

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+ALLOCATORS = ("mmap", "glibc")  # settings of glibc's allocator for a measurement process (child_environment)
+
 
 def child_environment(allocator: str = "mmap") -> dict[str, str]:
     """The environment of a measurement process: this one's, with glibc's allocator set for ``allocator``.
@@ -32,8 +34,8 @@ def child_environment(allocator: str = "mmap") -> dict[str, str]:
     already set) every tensor buffer is mmapped and returned on free, so peak RSS measures live memory, not the
     allocator's retention, at the cost of page faults that add CPU time. "glibc": its defaults, for times.
     """
-    if allocator not in ("mmap", "glibc"):
-        raise ValueError(f"allocator must be 'mmap' or 'glibc', got {allocator!r}")
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator!r}")
     env = dict(os.environ)
     if allocator == "mmap":
         env["MALLOC_MMAP_THRESHOLD_"] = env.get("MALLOC_MMAP_THRESHOLD_", "65536")

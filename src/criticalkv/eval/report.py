@@ -32,9 +32,10 @@ def summarise(rows: list[Row]) -> dict:
             f"{regime}|{method}|{budget}",
             {"regime": regime, "method": method, "budget": budget, "tasks": {}, "task_samples": {}, "samples": 0},
         )
-        entry["tasks"][task] = mean(by_key[(regime, method, budget, task)])
-        entry["task_samples"][task] = len(by_key[(regime, method, budget, task)])
-        entry["samples"] += len(by_key[(regime, method, budget, task)])
+        scores = by_key[(regime, method, budget, task)]
+        entry["tasks"][task] = mean(scores)
+        entry["task_samples"][task] = len(scores)
+        entry["samples"] += len(scores)
     for entry in table.values():
         entry["mean"] = mean(entry["tasks"].values())
     for entry in table.values():
