@@ -111,10 +111,40 @@ def test_objective_matches_loop_reference(groups, lengths, t, window):
     assert float(objective.loss(view.valid[:, None, :].expand(-1, 2, -1)).abs().max()) < 1e-4  # nothing evicted
 
 
-def test_gain_is_the_first_order_decrease():
-    """gain_i = -dL/d(alpha_i) where alpha_i scales entry i's contribution A_i [V_i, 1] to the kept sums."""
+def _reference_l2_loss(objective: WindowPerturbation, keep: torch.Tensor) -> torch.Tensor:
+    """The "l2" search loss, float64, one (row, KV head, query head, window query) at a time: (b, h_kv)."""
+    attention, values = objective.attention.double(), objective.values_and_one[..., :-1].double()
+    w_heads = objective.w_heads.double()
+    b, h_kv, g, w, _ = attention.shape
+    out = torch.zeros(b, h_kv, dtype=torch.float64)
+    for bi, k, j, q in itertools.product(range(b), range(h_kv), range(g), range(w)):
+        a = attention[bi, k, j, q]
+        kept = keep[bi, k]
+        mass = a[kept].sum()
+        compressed = (a[kept] @ values[bi, k][kept]) / mass if mass > 0 else torch.zeros(values.shape[-1]).double()
+        out[bi, k] += torch.linalg.vector_norm((a @ values[bi, k] - compressed) @ w_heads[k, j])
+    return out
+
+
+def test_l2_search_loss_matches_loop_reference():
+    view = _view([18, 11], 18, groups=3, seed=13)
+    objective = WindowPerturbation.of_view(view, 5, search="l2")
+    for seed, fraction in enumerate((0.2, 0.6)):
+        keep = _random_keep(view, fraction, seed)
+        keep[:, :, -1] = True
+        got = objective.search_loss(objective.kept_sums(keep))
+        torch.testing.assert_close(got.double(), _reference_l2_loss(objective, keep), rtol=1e-4, atol=1e-4)
+        # the "l1" search loss is L itself
+        l1 = WindowPerturbation.of_view(view, 5)
+        torch.testing.assert_close(l1.search_loss(l1.kept_sums(keep)), l1.loss(keep))
+
+
+@pytest.mark.parametrize("search", ["l1", "l2"])
+def test_gain_is_the_first_order_decrease(search):
+    """gain_i = -dS/d(alpha_i) for the search loss S, where alpha_i scales entry i's contribution A_i [V_i, 1] to the
+    kept sums."""
     view = _view([16, 12], 16, groups=2, seed=4)
-    objective = WindowPerturbation.of_view(view, 4)
+    objective = WindowPerturbation.of_view(view, 4, search=search)
     keep = _random_keep(view, 0.5, 1)
     keep[:, :, -4:] = True
     sums = objective.kept_sums(keep)
@@ -123,7 +153,7 @@ def test_gain_is_the_first_order_decrease():
     moved = sums + torch.matmul(
         (objective.attention * alpha[:, :, None, None, :]).flatten(2, 3), objective.values_and_one
     ).view_as(sums)
-    objective.loss_of(moved).sum().backward()
+    objective.search_loss(moved).sum().backward()
     gain = objective.gain(sums, objective.attention, objective.values_and_one)
     torch.testing.assert_close(gain, -alpha.grad, rtol=1e-4, atol=1e-5)
 
@@ -145,10 +175,25 @@ def test_gain_is_the_first_order_decrease():
     candidates=st.integers(1, 16),
     max_weight=st.sampled_from([0.03, 0.3, 1.0]),
     anchor=st.sampled_from([0.0, 0.5]),
+    search=st.sampled_from(["l1", "l2"]),
+    candidates_by=st.sampled_from(["gain", "score"]),
     seed=st.integers(0, 10_000),
 )
 def test_never_worse_than_its_start(
-    lengths, h_kv, groups, window, fraction, start, pool, rounds, candidates, max_weight, anchor, seed
+    lengths,
+    h_kv,
+    groups,
+    window,
+    fraction,
+    start,
+    pool,
+    rounds,
+    candidates,
+    max_weight,
+    anchor,
+    search,
+    candidates_by,
+    seed,
 ):
     t = max(lengths)
     view = _view(lengths, t, h_kv=h_kv, groups=groups, d=4, hidden=6, seed=seed)
@@ -165,6 +210,8 @@ def test_never_worse_than_its_start(
         candidates=candidates,
         max_weight=max_weight,
         anchor=anchor,
+        search=search,
+        candidates_by=candidates_by,
     )
     begin = selector.starting_selector().select(scores, budgets, protected, view)
     keep = selector.select(scores, budgets, protected, view)
@@ -192,6 +239,20 @@ def test_swaps_lower_the_objective_and_keep_the_anchor():
     assert bool((keep | ~anchored).all())
     assert torch.equal(keep & protected[:, None, :], start & protected[:, None, :])
     assert scorer.protected(view).equal(protected)
+
+
+@pytest.mark.parametrize(
+    "options", [dict(search="l2"), dict(candidates_by="score"), dict(search="l2", candidates_by="score")]
+)
+def test_search_variants_lower_the_objective(options):
+    """The cheaper searches also lower L well below the start on a head with room to improve, never above it."""
+    view = _view([40, 31], 40, h_kv=2, groups=3, seed=7, sharpness=1.0)
+    window = 6
+    keep, _ = _select(view, 14, PerturbationSelector(window=window, max_weight=1.0, **options), window)
+    start, _ = _select(view, 14, TopKSelector(), window)
+    objective = WindowPerturbation.of_view(view, window)
+    after, before = objective.loss(keep), objective.loss(start)
+    assert bool((after <= before).all()) and float(after.sum()) < 0.95 * float(before.sum())
 
 
 def test_padded_row_selects_as_alone():
@@ -231,6 +292,8 @@ def test_options_are_checked():
         dict(norm_dtype="half"),
         dict(stage2="pooled"),
         dict(aggregate="median"),
+        dict(search="l3"),
+        dict(candidates_by="random"),
     ):
         with pytest.raises(ValueError):
             PerturbationSelector(**bad)

@@ -476,6 +476,8 @@ def test_session_question_agnostic(capture_decisions):
     bookkeeping = sum(layer.lengths.nbytes for layer in session.cache.layers)  # per-segment counts, if reported
     assert kv <= session.kv_bytes() <= kv + bookkeeping
     assert session.cache.get_seq_length() == 50
+    spent = session.compressor.compress_cpu_seconds  # the prefill's scoring, selection and compression
+    assert 0 < spent < session.prefill_seconds + 1.0
 
     first = session.ask(question, NEW)
     assert session.cache.get_seq_length() == 50 and session.kv_entries() == kept
@@ -486,12 +488,17 @@ def test_session_question_agnostic(capture_decisions):
     assert other.tokens.shape == (1, 4)
     assert torch.equal(session.ask(question, NEW).tokens, first.tokens)
     assert session.cache.get_seq_length() == 50 and session.kv_entries() == kept
+    assert session.compressor.compress_cpu_seconds == spent  # answering compresses nothing
 
     # the reference: the full model over context + question where the question and answer read only kept entries
     keep = _keep_by_layer(capture_decisions)
     assert len(capture_decisions) == 2  # compressed once, at the prefill
     ref_tokens, _ = _masked_reference(model, torch.cat([context, question], 1), None, keep, 50)
     assert torch.equal(first.tokens, ref_tokens)
+
+    session.compressor.compress_cpu_seconds = 1e9
+    session.prefill(context)
+    assert 0 < session.compressor.compress_cpu_seconds < 1e9  # each prefill counts its own compression only
 
 
 def test_session_full_matches_plain_generate():

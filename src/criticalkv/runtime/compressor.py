@@ -12,6 +12,7 @@ the model to it with ``set_attn_implementation`` and back, and a forward pre-hoo
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -86,6 +87,9 @@ class Compressor:
     budget: Budget
     records: list[LayerRecord] = field(default_factory=list)
     record_keep: bool = False  # also store each layer's keep mask (for analysis and reference comparisons)
+    # process CPU time spent scoring, selecting and compressing since the last ``start_prefill`` (host time only:
+    # on a GPU, kernels still running when a step returns are not in it)
+    compress_cpu_seconds: float = 0.0
     active_cache: CompressedCache | None = None
 
     def __post_init__(self) -> None:
@@ -185,6 +189,11 @@ class Compressor:
             self._finishing = False
             self.pending = []
 
+    def start_prefill(self) -> None:
+        """Forget the records and the compression time of the previous prefill."""
+        self.records.clear()
+        self.compress_cpu_seconds = 0.0
+
     @torch.no_grad()
     def finish_deferred(
         self,
@@ -195,6 +204,7 @@ class Compressor:
         records: list[LayerRecord],
     ) -> None:
         """Decide and compress the pending layers of a deferred method, all together."""
+        start = time.process_time()
         scores = None
         if getattr(method.scorer, "after_prefill", False):
             ids, mask = self._inputs
@@ -207,6 +217,7 @@ class Compressor:
         decisions = method.decide_layers(views, budget, scores)
         for item, view, decision in zip(pending, views, decisions, strict=True):
             self._apply(item.layer, view, decision, records)
+        self.compress_cpu_seconds += time.process_time() - start
 
     def _apply(self, layer: CompressedLayer, view: LayerView, decision, records: list[LayerRecord]) -> None:
         if decision.keep is None:
@@ -251,13 +262,15 @@ class Compressor:
         scaling: float,
         layer: CompressedLayer,
     ) -> None:
+        start = time.process_time()
         view = prefill_view(module, query, keys, values, attention_mask, scaling)
         if self.method.deferred:
             self.pending.append(self.defer_layer(view, layer, self.method))
-            return
-        decision = self.method.decide(view, self.budget, self.prefill_state(self.active_cache))
-        apply_shrink(self.active_cache, decision.shrink, self.records)  # before this layer grows: a lower peak
-        self._apply(layer, view, decision, self.records)
+        else:
+            decision = self.method.decide(view, self.budget, self.prefill_state(self.active_cache))
+            apply_shrink(self.active_cache, decision.shrink, self.records)  # before this layer grows: a lower peak
+            self._apply(layer, view, decision, self.records)
+        self.compress_cpu_seconds += time.process_time() - start
 
     def prefill_state(self, cache: CompressedCache) -> dict:
         """The method's scratch dict for the prefill of ``cache`` (streaming allocators); fresh for a new cache."""

@@ -103,7 +103,7 @@ class ContextSession:
         self.mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         self.context_length = 0
         if self.compressor is not None:
-            self.compressor.records.clear()
+            self.compressor.start_prefill()
         start = time.perf_counter()
         logits = self._forward(input_ids, self.mask)
         self.prefill_seconds = time.perf_counter() - start

@@ -80,11 +80,11 @@ def window_attention(view: LayerView, window: int) -> torch.Tensor:
     b, h_kv, t, d = view.keys.shape
     g = view.groups
     w = min(window, t)
-    q = view.query[:, :, t - w :, :].float().reshape(b, h_kv, g * w, d)  # (b, h_kv, G*w, d)
-    logits = torch.matmul(q, view.keys.float().transpose(-1, -2)) * view.scaling  # (b, h_kv, G*w, t)
-    logits = logits.view(b, h_kv, g, w, t)
-    query_pos = torch.arange(t - w, t, device=q.device)  # (w,)
-    key_pos = torch.arange(t, device=q.device)  # (t,)
-    allowed = (key_pos[None, :] <= query_pos[:, None])[None, None, None] & view.valid[:, None, None, None, :]
-    logits = logits.masked_fill(~allowed, float("-inf"))
+    q = view.query[:, :, t - w :, :].float().reshape(b, h_kv, g * w, d) * view.scaling  # (b, h_kv, G*w, d)
+    logits = torch.matmul(q, view.keys.float().transpose(-1, -2)).view(b, h_kv, g, w, t)  # (b, h_kv, G, w, t)
+    # causal: only the window's own columns can lie ahead of a window query
+    ahead = torch.ones(w, w, dtype=torch.bool, device=q.device).triu_(diagonal=1)  # (w, w): key after query
+    logits[..., t - w :].masked_fill_(ahead, float("-inf"))
+    if not bool(view.valid.all()):
+        logits.masked_fill_(~view.valid[:, None, None, None, :], float("-inf"))
     return torch.softmax(logits, dim=-1)

@@ -8,6 +8,10 @@ a kept set (top-k, or CriticalKV's) and improves it by swaps judged on the pertu
     ô_gq = sum_{i in S} A_gqi V_i / sigma_gq,   sigma_gq = sum_{i in S} A_gqi   (renormalised on the kept set S)
 
 The window queries are the last ``window`` prompt tokens (SnapKV's observation window), reading the context causally.
+
+The swaps are judged on a *search norm*: ``"l1"`` is L itself; ``"l2"`` replaces each query's L1 norm by its L2 norm,
+||r W_O^g||_2 = sqrt(r M_g r^T) with the Gram matrix M_g = W_O^g W_O^gT (d x d), so a candidate set costs d instead of
+hidden multiply-adds per query and dimension. The finished set is always checked against its start on L itself.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from criticalkv.selectors.critical import CriticalSelector
 from criticalkv.selectors.topk import TopKSelector
 
 STARTS = ("topk", "critical")
+SEARCHES = ("l1", "l2")
+CANDIDATE_RANKINGS = ("gain", "score")
 # An accepted swap must lower L by this fraction of L: float32 noise never counts as progress.
 _MIN_RELATIVE_GAIN = 1e-6
 
@@ -43,17 +49,28 @@ class WindowPerturbation:
         (b, h_kv, t, d) value states.
     w_heads
         (h_kv, G, d, hidden): query head ``k * G + g``'s slice of o_proj, ``o_proj.weight[:, h*d:(h+1)*d].T``.
+    search
+        The norm the swaps are judged on (module docstring): ``"l1"`` (L itself) or ``"l2"``.
     """
 
-    def __init__(self, attention: torch.Tensor, values: torch.Tensor, w_heads: torch.Tensor) -> None:
+    def __init__(
+        self, attention: torch.Tensor, values: torch.Tensor, w_heads: torch.Tensor, search: str = "l1"
+    ) -> None:
+        if search not in SEARCHES:
+            raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
         self.attention = attention.float()  # (b, h_kv, G, w, t)
-        values = values.float()
-        self.values_and_one = torch.cat([values, values.new_ones((*values.shape[:-1], 1))], -1)  # (b, h_kv, t, d+1)
+        d = values.shape[-1]
+        self.values_and_one = values.new_empty((*values.shape[:-1], d + 1), dtype=torch.float32)  # (b, h_kv, t, d+1)
+        self.values_and_one[..., :d] = values  # one pass: converted while copied
+        self.values_and_one[..., d] = 1.0
         self.w_heads = w_heads.float()  # (h_kv, G, d, hidden)
-        self.full = _weighted_sums(self.attention, values)  # o, before W_O: (b, h_kv, G, w, d)
+        self.full = _weighted_sums(self.attention, self.values_and_one[..., :d])  # o, before W_O: (b, h_kv, G, w, d)
+        self.search = search
+        # M_g = W_O^g W_O^gT: (h_kv, G, d, d), for the "l2" search only
+        self.gram = torch.matmul(self.w_heads, self.w_heads.transpose(-1, -2)) if search == "l2" else None
 
     @classmethod
-    def of_view(cls, view: LayerView, window: int) -> WindowPerturbation:
+    def of_view(cls, view: LayerView, window: int, search: str = "l1") -> WindowPerturbation:
         """The objective of a layer's prefill: its last ``window`` queries (fewer if the prompt is shorter)."""
         _, h_kv, t, d = view.keys.shape
         w = min(window, t)
@@ -61,63 +78,87 @@ class WindowPerturbation:
         query_valid = view.valid[:, t - w :]  # (b, w)
         if not bool(query_valid.all()):
             attention = attention.masked_fill(~query_valid[:, None, None, :, None], 0.0)
-        hidden = view.o_proj_weight.shape[0]
+        weight = view.o_proj_weight.detach()  # (hidden, h_q * d)
         # contiguous: the many small products with W_O in ``improve`` run about 30% faster than on a transposed view
-        w_heads = view.o_proj_weight.detach().float().t().reshape(h_kv, view.groups, d, hidden).contiguous()
-        return cls(attention, view.values, w_heads)
+        w_heads = weight.new_empty((h_kv, view.groups, d, weight.shape[0]), dtype=torch.float32)
+        w_heads.view(-1, weight.shape[0]).copy_(weight.t())  # transposed and converted in one pass
+        return cls(attention, view.values, w_heads, search)
 
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        """x W_O^g for x (b, h_kv, G, ..., d): (b, h_kv, G, ..., hidden), one batched matmul per (row, KV head)."""
+    def project(self, x: torch.Tensor, matrices: torch.Tensor | None = None) -> torch.Tensor:
+        """x W_O^g for x (b, h_kv, G, ..., d): (b, h_kv, G, ..., hidden), one batched matmul per (row, KV head).
+
+        ``matrices`` (h_kv, G, d, e) replaces W_O^g (the Gram matrices: e = d)."""
+        matrices = self.w_heads if matrices is None else matrices
         b, h_kv, g = x.shape[:3]
-        out = torch.matmul(x.reshape(b, h_kv, g, -1, x.shape[-1]), self.w_heads)  # (b, h_kv, G, n, hidden)
+        out = torch.matmul(x.reshape(b, h_kv, g, -1, x.shape[-1]), matrices)  # (b, h_kv, G, n, e)
         return out.view(*x.shape[:-1], -1)
 
     def kept_sums(self, keep: torch.Tensor) -> torch.Tensor:
         """The kept sums of a keep mask (b, h_kv, t) bool: (b, h_kv, G, w, d + 1)."""
         return _weighted_sums(self.attention, self.values_and_one * keep[..., None])
 
-    def residual(self, sums: torch.Tensor) -> torch.Tensor:
-        """(ô - o) W from kept sums (b, h_kv, G, ..., w, d + 1): (b, h_kv, G, ..., w, hidden); ô = 0 where sigma = 0.
+    def difference(self, sums: torch.Tensor) -> torch.Tensor:
+        """ô - o from kept sums (b, h_kv, G, ..., w, d + 1): (b, h_kv, G, ..., w, d); ô = 0 where sigma = 0.
 
-        The difference is taken before the projection, where it is d wide instead of hidden wide.
-        """
+        Taken before the projection, where it is d wide instead of hidden wide."""
         b, h_kv, g, w, d = self.full.shape
-        full = self.full.view(b, h_kv, g, *(1,) * (sums.dim() - 5), w, d)
-        return self.project(_compressed(sums) - full)
+        return _compressed(sums) - self.full.view(b, h_kv, g, *(1,) * (sums.dim() - 5), w, d)
 
     def loss_of(self, sums: torch.Tensor) -> torch.Tensor:
         """L for kept sums (b, h_kv, G, ..., w, d + 1): (b, h_kv, ...)."""
-        return _l1_consuming(self.residual(sums))
+        return _l1_consuming(self.project(self.difference(sums)))
 
     def loss(self, keep: torch.Tensor) -> torch.Tensor:
         """L(S) for a keep mask (b, h_kv, t) bool: (b, h_kv)."""
         return self.loss_of(self.kept_sums(keep))
+
+    def search_loss(self, sums: torch.Tensor) -> torch.Tensor:
+        """The search norm's loss for kept sums (b, h_kv, G, ..., w, d + 1): (b, h_kv, ...); L itself for "l1"."""
+        if self.search == "l1":
+            return self.loss_of(sums)
+        difference = self.difference(sums)
+        quadratic = (self.project(difference, self.gram) * difference).sum(
+            -1
+        )  # ||(ô - o) W||_2^2: (b, h_kv, G, ..., w)
+        return quadratic.clamp_min_(0.0).sqrt_().sum(-1).sum(dim=2)
+
+    def direction(self, sums: torch.Tensor) -> torch.Tensor:
+        """The search loss's gradient in ô for kept sums (b, h_kv, G, w, d + 1): (b, h_kv, G, w, d).
+
+        L1: sign((ô - o) W) W^T; L2: (ô - o) M / ||(ô - o) W||_2 (0 where the norm is)."""
+        difference = self.difference(sums)
+        if self.search == "l1":
+            return self.project(self.project(difference).sign_(), self.w_heads.transpose(-1, -2))
+        mapped = self.project(difference, self.gram)  # (ô - o) M
+        norms = (mapped * difference).sum(-1, keepdim=True).clamp_min_(0.0).sqrt_()
+        return torch.where(norms > 0, mapped / norms.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
 
     def gain(
         self,
         sums: torch.Tensor,
         attention: torch.Tensor,
         values_and_one: torch.Tensor,
-        residual: torch.Tensor | None = None,
+        direction: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """First-order decrease of L when an entry joins S (for one in S: the increase when it leaves): (b, h_kv, n).
+        """First-order decrease of the search loss when an entry joins S (for one in S: the increase when it leaves):
+        (b, h_kv, n).
 
         ``sums`` (b, h_kv, G, w, d + 1) are the current set's; ``attention`` (b, h_kv, G, w, n) and
         ``values_and_one`` (b, h_kv, n, d + 1) are the entries' columns of ``self.attention`` and
-        ``self.values_and_one``. Adding i moves ô_gq by (A_gqi / sigma_gq)(V_i - ô_gq) to first order, so L drops by
-        about sum_gq (A_gqi / sigma_gq) (s_gq W_O^gT) . (V_i - ô_gq) with s = sign((o - ô) W): one
-        (n x Gw x (d + 1)) matmul. Reliable while no sign of (o - ô) W flips, i.e. for entries of small
-        A_gqi / sigma_gq. ``residual``: ``self.residual(sums)`` when the caller has it.
+        ``self.values_and_one``. Adding i moves ô_gq by (A_gqi / sigma_gq)(V_i - ô_gq) to first order, so the loss
+        drops by about -sum_gq (A_gqi / sigma_gq) D_gq . (V_i - ô_gq) with D the loss's gradient in ô
+        (``direction``; for L, sign((ô - o) W) W^T): one (n x Gw x (d + 1)) matmul. Reliable while no sign of
+        (o - ô) W flips, i.e. for entries of small A_gqi / sigma_gq. ``direction``: computed from ``sums`` if not given.
         """
-        residual = self.residual(sums) if residual is None else residual  # (b, h_kv, G, w, hidden)
-        back = torch.matmul(residual.sign().neg_(), self.w_heads.transpose(-1, -2))  # s W^T: (b, h_kv, G, w, d)
+        direction = self.direction(sums) if direction is None else direction
+        back = -direction  # (b, h_kv, G, w, d)
         offset = (back * _compressed(sums)).sum(-1, keepdim=True)  # s W^T . ô: (b, h_kv, G, w, 1)
         coefficients = torch.cat([back, -offset], dim=-1) * _inverse_mass(sums)[..., None]  # (b, h_kv, G, w, d + 1)
         b, h_kv, g, w, n = attention.shape
         per_entry = torch.matmul(
             attention.reshape(b, h_kv, g * w, n).transpose(-1, -2), coefficients.reshape(b, h_kv, g * w, -1)
         )  # (b, h_kv, n, d + 1)
-        return (per_entry * values_and_one).sum(-1)
+        return per_entry.mul_(values_and_one).sum(-1)
 
     def improve(
         self,
@@ -127,61 +168,71 @@ class WindowPerturbation:
         rounds: int = 8,
         candidates: int = 256,
         max_weight: float = 0.03,
+        ranking: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Lower L by swaps of entries of ``free`` (b, h_kv, t) or (b, 1, t) bool in and out of ``keep``.
 
-        Free entries with ``max_gq A_gqi / sigma_gq > max_weight`` stay as they are (``gain`` misjudges them). The
-        others are ranked by ``gain``; the ``candidates`` best excluded and the ``candidates`` worst kept ones form the
-        candidate set. Each round, per head: rank the candidates by ``gain``, pair the ``pool`` best excluded with
-        the ``pool`` worst kept (best with worst), evaluate L exactly for swapping the first m pairs, m = 1, 4, 16,
-        ..., ``pool``, and apply the best m if it lowers L; if none does, the first pair's kept entry (whose removal
-        ``gain`` misjudged) leaves the candidates. Budgets never change. Returns a new mask, per head never worse
-        than ``keep`` on L.
+        The candidate set: the ``candidates`` best excluded and the ``candidates`` worst kept entries by ``gain``
+        over every free entry, or by ``ranking`` (b, h_kv, t) when given (the scorer's scores: the entries on either
+        side of the kept set's edge). Candidates with ``max_gq A_gqi / sigma_gq > max_weight`` stay as they are
+        (``gain`` misjudges them). Each round, per head: rank the candidates by ``gain``, pair the ``pool`` best
+        excluded with the ``pool`` worst kept (best with worst), evaluate the search loss exactly for swapping the
+        first m pairs, m = 1, 4, 16, ..., ``pool``, and apply the best m if it lowers it; if none does, the first
+        pair's kept entry (whose removal ``gain`` misjudged) leaves the candidates. Budgets never change. Returns a
+        new mask, per head never worse than ``keep`` on L (the search loss is L itself for ``"l1"``).
         """
         b, h_kv, t = keep.shape
         device = keep.device
         start_sums = self.kept_sums(keep)  # (b, h_kv, G, w, d + 1)
-        if max_weight < 1.0:
-            weight = (self.attention * _inverse_mass(start_sums)[..., None]).amax(dim=(2, 3))  # (b, h_kv, t)
-            free = free & (weight <= max_weight)
+        by_gain = ranking is None
+        if by_gain and max_weight < 1.0:
+            free = free & ~_heavy(self.attention, start_sums, max_weight)
         addable, movable = free & ~keep, free & keep
         n = min(candidates, t)
         if n < 1 or pool < 1 or rounds < 1 or not bool((addable.any(-1) & movable.any(-1)).any()):
             return keep
-        residual = self.residual(start_sums)  # (ô - o) W of the current set: (b, h_kv, G, w, hidden)
-        start_loss = _l1_consuming(residual.clone())  # (b, h_kv)
-        gain = self.gain(start_sums, self.attention, self.values_and_one, residual)  # (b, h_kv, t)
+        current = self.search_loss(start_sums)  # (b, h_kv)
+        start_loss = current if self.search == "l1" else self.loss_of(start_sums)  # L of the start: (b, h_kv)
+        direction = self.direction(start_sums)  # (b, h_kv, G, w, d)
+        if by_gain:
+            ranking = self.gain(start_sums, self.attention, self.values_and_one, direction)  # (b, h_kv, t)
         # the candidates, best first on each side: (b, h_kv, 2n) positions, and which of them are real candidates
-        add_side = gain.masked_fill(~addable, -math.inf).topk(n, dim=-1).indices
-        drop_side = gain.masked_fill(~movable, math.inf).topk(n, dim=-1, largest=False).indices
+        add_side = ranking.masked_fill(~addable, -math.inf).topk(n, dim=-1).indices
+        drop_side = ranking.masked_fill(~movable, math.inf).topk(n, dim=-1, largest=False).indices
         index = torch.cat([add_side, drop_side], dim=-1)
         member = torch.cat([addable.gather(-1, add_side), movable.gather(-1, drop_side)], dim=-1)
         start_in_set = torch.cat([torch.zeros_like(member[..., :n]), member[..., n:]], dim=-1)
         g, w, width = self.attention.shape[2], self.attention.shape[3], self.values_and_one.shape[-1]
         attention = self.attention.gather(-1, index[:, :, None, None, :].expand(b, h_kv, g, w, 2 * n))
         values_and_one = self.values_and_one.gather(2, index[..., None].expand(b, h_kv, 2 * n, width))
-        gain = gain.gather(-1, index)  # (b, h_kv, 2n)
+        if by_gain:
+            gain = ranking.gather(-1, index)  # (b, h_kv, 2n)
+        else:
+            if max_weight < 1.0:
+                member = member & ~_heavy(attention, start_sums, max_weight)
+            gain = self.gain(start_sums, attention, values_and_one, direction)
         pool = min(pool, n)
         sizes = torch.tensor(sorted({min(4**i, pool) for i in range(math.ceil(math.log(pool, 4)) + 1)}), device=device)
         take = (torch.arange(pool, device=device)[None, :] < sizes[:, None]).float()  # (J, P): the first m pairs
         signed = torch.cat([take, -take], dim=-1)  # (J, 2P): the first m pairs' entries in (+1), out (-1)
         ranks = torch.arange(pool, device=device)[None, None, :]
-        sums, in_set, current = start_sums, start_in_set, start_loss
+        sums, in_set = start_sums, start_in_set
         for round_ in range(rounds):
             if round_:
-                gain = self.gain(sums, attention, values_and_one, residual)
-            add = gain.masked_fill(~(member & ~in_set), -math.inf).topk(pool, dim=-1).indices  # (b, h_kv, P)
-            drop = gain.masked_fill(~(member & in_set), math.inf).topk(pool, dim=-1, largest=False).indices
-            pairs = torch.minimum((member & ~in_set).sum(-1), (member & in_set).sum(-1)).clamp(max=pool)  # (b, h_kv)
+                gain = self.gain(sums, attention, values_and_one, direction)
+            can_add, can_drop = member & ~in_set, member & in_set
+            add = gain.masked_fill(~can_add, -math.inf).topk(pool, dim=-1).indices  # (b, h_kv, P)
+            drop = gain.masked_fill(~can_drop, math.inf).topk(pool, dim=-1, largest=False).indices
+            pairs = torch.minimum(can_add.sum(-1), can_drop.sum(-1))  # (b, h_kv)
             both = torch.cat([add, drop], dim=-1)  # (b, h_kv, 2P)
             a = attention.gather(-1, both[:, :, None, None, :].expand(b, h_kv, g, w, 2 * pool))  # (b, h_kv, G, w, 2P)
             v = values_and_one.gather(2, both[..., None].expand(b, h_kv, 2 * pool, width))  # (b, h_kv, 2P, d + 1)
             # per size m: sum_p signed[m, p] A_p [V_p, 1], as one product per (row, KV head): (b, h_kv, G, J, w, d + 1)
-            weighted = signed[None, None, :, :, None] * v[:, :, None]  # (b, h_kv, J, 2P, d + 1)
-            change = torch.matmul(a.reshape(b, h_kv, 1, g * w, 2 * pool), weighted)  # (b, h_kv, J, G*w, d + 1)
-            change = change.view(b, h_kv, -1, g, w, width).permute(0, 1, 3, 2, 4, 5)
+            weighted = (signed.t()[None, None, :, :, None] * v[:, :, :, None]).flatten(-2)  # (b, h_kv, 2P, J (d + 1))
+            change = torch.matmul(a.reshape(b, h_kv, g * w, 2 * pool), weighted)  # (b, h_kv, G*w, J (d + 1))
+            change = change.view(b, h_kv, g, w, -1, width).transpose(3, 4)
             proposed = sums[:, :, :, None] + change
-            losses = self.loss_of(proposed).masked_fill(sizes > pairs[..., None], math.inf)  # (b, h_kv, J)
+            losses = self.search_loss(proposed).masked_fill(sizes > pairs[..., None], math.inf)  # (b, h_kv, J)
             best, choice = losses.min(dim=-1)
             accept = best < current * (1 - _MIN_RELATIVE_GAIN)  # (b, h_kv)
             failed = ~accept & (pairs > 0)
@@ -197,8 +248,9 @@ class WindowPerturbation:
             pick = choice[:, :, None, None, None, None].expand(b, h_kv, g, 1, w, 1)
             taken = accept[:, :, None, None, None]
             sums = torch.where(taken, proposed.gather(3, pick.expand(-1, -1, -1, -1, -1, width))[:, :, :, 0], sums)
-            residual = self.residual(sums)
             current = torch.where(accept, best, current)
+            if round_ + 1 < rounds:  # the next round's ranking: the gradient at the new sets
+                direction = self.direction(sums)
         # the sums drifted by float32 rounding over the rounds: judge the final set afresh against the start
         change = in_set.float() - start_in_set.float()  # (b, h_kv, 2n): +1 added, -1 dropped
         final = start_sums + _weighted_sums(attention, values_and_one * change[..., None])
@@ -206,6 +258,13 @@ class WindowPerturbation:
         moved = (in_set != start_in_set) & better[..., None]
         flips = torch.zeros_like(keep, dtype=torch.long).scatter_add_(-1, index, moved.long()) > 0
         return keep ^ flips
+
+
+def _heavy(attention: torch.Tensor, sums: torch.Tensor, max_weight: float) -> torch.Tensor:
+    """Entries with A_gqi / sigma_gq > max_weight for some window query, for attention (b, h_kv, G, w, n) and kept
+    sums (b, h_kv, G, w, d + 1): (b, h_kv, n) bool; never where sigma = 0."""
+    weight = attention * _inverse_mass(sums)[..., None]  # A_gqi / sigma_gq: (b, h_kv, G, w, n)
+    return weight.amax(dim=(2, 3)) > max_weight
 
 
 def _weighted_sums(attention: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -266,6 +325,14 @@ class PerturbationSelector:
         first-order ranking misjudges them.
     anchor
         Share of each head's budget (protected entries included) filled by the best scores and never swapped out.
+    search
+        The norm the swaps are judged on: ``"l1"`` (the perturbation L itself) or ``"l2"`` (each query's L1 norm
+        replaced by its L2 norm, through the d x d Gram matrix of W_O: per round O(log4(pool) G w d^2) instead of
+        O(log4(pool) G w d H)). The final set is checked against the start on L either way.
+    candidates_by
+        How the ``candidates`` on either side are chosen: ``"gain"`` (the first-order change of the search loss,
+        over every free entry) or ``"score"`` (the scorer's ranking: the excluded entries just below the kept set's
+        edge and the kept ones just above it; no pass over every entry).
     alpha, eps, norm_dtype, stage2, aggregate
         The CriticalKV starting set's options (see ``CriticalSelector``); ``start="critical"`` with
         ``stage2="unpooled"`` gives the lowest mean perturbation in docs/selectors.md.
@@ -278,6 +345,8 @@ class PerturbationSelector:
     candidates: int = 256
     max_weight: float = 0.03
     anchor: float = 0.5
+    search: str = "l1"
+    candidates_by: str = "gain"
     alpha: float = 0.5
     eps: float = 1e-4
     norm_dtype: str = "float32"
@@ -297,6 +366,10 @@ class PerturbationSelector:
             raise ValueError(f"max_weight must be in (0, 1], got {self.max_weight}")
         if not 0.0 <= self.anchor <= 1.0:
             raise ValueError(f"anchor must be in [0, 1], got {self.anchor}")
+        if self.search not in SEARCHES:
+            raise ValueError(f"search must be one of {SEARCHES}, got {self.search!r}")
+        if self.candidates_by not in CANDIDATE_RANKINGS:
+            raise ValueError(f"candidates_by must be one of {CANDIDATE_RANKINGS}, got {self.candidates_by!r}")
         self._critical()  # validates its options
 
     def _critical(self) -> CriticalSelector:
@@ -324,5 +397,6 @@ class PerturbationSelector:
                 scores, anchored, view.valid, torch.floor(budgets * self.anchor).long() - anchored.sum(-1)
             )
             free = free & ~anchored
-        objective = WindowPerturbation.of_view(view, self.window)
-        return objective.improve(keep, free, self.pool, self.rounds, self.candidates, self.max_weight)
+        objective = WindowPerturbation.of_view(view, self.window, self.search)
+        ranking = scores if self.candidates_by == "score" else None
+        return objective.improve(keep, free, self.pool, self.rounds, self.candidates, self.max_weight, ranking)
