@@ -170,6 +170,19 @@ def test_uniform_path_equals_masked_dense_attention(groups, q, padded_tail, kept
     assert choose_path(query, layer, tail_mask, tail_keys.shape[2]) == "uniform"
 
 
+def test_uniform_width_follows_the_counts():
+    """uniform_width is remembered per layer; a shrink or an in-place change of the counts is seen at once."""
+    gen = torch.Generator().manual_seed(5)
+    layer, *_ = make_case(2, 2, 1, 20, 8, 1, previous=0, gen=gen, lengths=torch.full((2, 2), 6))
+    assert uniform_width(layer) == 6 and uniform_width(layer) == 6
+    keep = torch.ones(24, dtype=torch.bool)
+    keep[:2] = False  # two entries of the first segment only
+    layer.shrink(keep)
+    assert uniform_width(layer) is None
+    layer.lengths.fill_(5)  # in place: same tensor, new version
+    assert uniform_width(layer) == 5
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     b=st.integers(1, 3),

@@ -207,6 +207,8 @@ class CompressedLayer(CacheLayerMixin):
 
     def tail_mask(self, logical_mask: torch.Tensor | None, query_length: int) -> torch.Tensor:
         """Which tail entries each query may read: (b, 1, q, tail) bool. The context is visible to all."""
+        if logical_mask is None and query_length == 1:  # a decode step reads the whole tail
+            return torch.ones((1, 1, 1, self.tail), dtype=torch.bool, device=self.device)
         if logical_mask is None:  # no padding: causal over logical positions
             query_pos = self.seen - query_length + torch.arange(query_length, device=self.device)
             tail_pos = self.context_seen + torch.arange(self.tail, device=self.device)

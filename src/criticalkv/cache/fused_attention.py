@@ -124,12 +124,20 @@ def one_call_attention(
 
 
 def uniform_width(layer: CompressedLayer) -> int | None:
-    """The context entries every segment holds when they all hold the same count, else None."""
+    """The context entries every segment holds when they all hold the same count, else None.
+
+    Remembered per ``lengths`` tensor and version (a decode step asks once per layer; the counts change only when
+    the layer is compressed, shrunk or reordered)."""
     lengths = layer.lengths
-    if lengths.numel() == 0:
-        return None
-    width = int(lengths.max())
-    return width if int(lengths.min()) == width else None
+    memo = layer.__dict__.get("_uniform_width")  # (the lengths tensor, its version, the width)
+    if memo is not None and memo[0] is lengths and memo[1] == lengths._version:
+        return memo[2]
+    width = None
+    if lengths.numel():
+        top = int(lengths.max())
+        width = top if int(lengths.min()) == top else None
+    layer.__dict__["_uniform_width"] = (lengths, lengths._version, width)
+    return width
 
 
 def uniform_attention(
