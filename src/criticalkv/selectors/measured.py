@@ -117,9 +117,8 @@ class WindowPerturbation:
         if self.search == "l1":
             return self.loss_of(sums)
         difference = self.difference(sums)
-        quadratic = (self.project(difference, self.gram) * difference).sum(
-            -1
-        )  # ||(ô - o) W||_2^2: (b, h_kv, G, ..., w)
+        # ||(ô - o) W||_2^2 = (ô - o) M (ô - o)^T: (b, h_kv, G, ..., w)
+        quadratic = (self.project(difference, self.gram) * difference).sum(-1)
         return quadratic.clamp_min_(0.0).sqrt_().sum(-1).sum(dim=2)
 
     def direction(self, sums: torch.Tensor) -> torch.Tensor:
@@ -152,7 +151,7 @@ class WindowPerturbation:
         """
         direction = self.direction(sums) if direction is None else direction
         back = -direction  # (b, h_kv, G, w, d)
-        offset = (back * _compressed(sums)).sum(-1, keepdim=True)  # s W^T . ô: (b, h_kv, G, w, 1)
+        offset = (back * _compressed(sums)).sum(-1, keepdim=True)  # -D . ô: (b, h_kv, G, w, 1)
         coefficients = torch.cat([back, -offset], dim=-1) * _inverse_mass(sums)[..., None]  # (b, h_kv, G, w, d + 1)
         b, h_kv, g, w, n = attention.shape
         per_entry = torch.matmul(
@@ -303,8 +302,9 @@ class PerturbationSelector:
 
     Cost per KV head, with w window queries, G query heads per KV head, t entries, head size d, hidden size H and
     c = ``candidates``: once, O(G w t d) (the full and kept window outputs and the first ranking; the window
-    attention itself is SnapKV's, shared); per round, O(G w c d) for the ranking and O(log4(pool) G w d H) for the
-    exact evaluations. ``start="critical"`` adds CriticalKV's value norm, O(t d G H).
+    attention itself is SnapKV's, shared; ``candidates_by="score"`` skips the first ranking's pass over t); per round,
+    O(G w c d) for the ranking and O(log4(pool) G w d H) for the exact evaluations (O(log4(pool) G w d^2) with
+    ``search="l2"``). ``start="critical"`` adds CriticalKV's value norm, O(t d G H).
 
     Parameters
     ----------
