@@ -27,7 +27,6 @@ from criticalkv.cache.fused_attention import (
     padded_attention,
     padding_fits,
     uniform_attention,
-    uniform_width,
     varlen_inputs,
 )
 from criticalkv.errors import CriticalKVError
@@ -162,7 +161,7 @@ def test_uniform_path_equals_masked_dense_attention(groups, q, padded_tail, kept
     layer, query, tail_keys, tail_values, tail_mask, want = make_case(
         b, h_kv, groups, t, 8, q, previous=3, gen=gen, lengths=lengths, padded_tail=padded_tail
     )
-    assert uniform_width(layer) == kept
+    assert layer.uniform_width() == kept
     for path in ("uniform", "padded", "segments"):
         out = run_path(path, layer, query, tail_keys, tail_values, tail_mask)
         assert out.shape == (b, q, h_kv * groups, 8)
@@ -171,16 +170,16 @@ def test_uniform_path_equals_masked_dense_attention(groups, q, padded_tail, kept
 
 
 def test_uniform_width_follows_the_counts():
-    """uniform_width is remembered per layer; a shrink or an in-place change of the counts is seen at once."""
+    """CompressedLayer.uniform_width is remembered; a shrink or an in-place change of the counts is seen at once."""
     gen = torch.Generator().manual_seed(5)
     layer, *_ = make_case(2, 2, 1, 20, 8, 1, previous=0, gen=gen, lengths=torch.full((2, 2), 6))
-    assert uniform_width(layer) == 6 and uniform_width(layer) == 6
+    assert layer.uniform_width() == 6 and layer.uniform_width() == 6
     keep = torch.ones(24, dtype=torch.bool)
     keep[:2] = False  # two entries of the first segment only
     layer.shrink(keep)
-    assert uniform_width(layer) is None
+    assert layer.uniform_width() is None
     layer.lengths.fill_(5)  # in place: same tensor, new version
-    assert uniform_width(layer) == 5
+    assert layer.uniform_width() == 5
 
 
 @settings(max_examples=60, deadline=None)
@@ -204,7 +203,7 @@ def test_paths_equal_masked_dense_property(b, h_kv, groups, t, d, q, previous, p
             continue
         out = run_path(path, layer, query, tail_keys, tail_values, tail_mask)
         assert (out.double() - want).abs().max().item() <= 1e-5, path
-    if uniform_width(layer) is not None:
+    if layer.uniform_width() is not None:
         out = run_path("uniform", layer, query, tail_keys, tail_values, tail_mask)
         assert (out.double() - want).abs().max().item() <= 1e-5, "uniform"
 
@@ -257,10 +256,10 @@ def test_auto_is_uniform_when_every_segment_keeps_the_same_count():
     query = torch.randn(2, 4, 1, 64)
     mask = torch.ones(2, 1, 1, 1, dtype=torch.bool)
     same = _layer_with_lengths(torch.full((2, 4), 6000), tail=1, d=64)  # beyond the CPU padded limit: no padding
-    assert uniform_width(same) == 6000 and not padding_fits(same, 1)
+    assert same.uniform_width() == 6000 and not padding_fits(same, 1)
     assert choose_path(query, same, mask, 1) == "uniform"
     uneven = _layer_with_lengths(torch.tensor([[3, 3, 3, 3], [3, 3, 2, 3]]), tail=1)
-    assert uniform_width(uneven) is None
+    assert uneven.uniform_width() is None
     with pytest.raises(CriticalKVError, match="uniform attention path"):
         choose_path(torch.randn(2, 4, 1, 4), uneven, mask, 1, path="uniform")
     with pytest.raises(CriticalKVError, match="uniform attention path"):

@@ -37,6 +37,7 @@ class CompressedLayer(CacheLayerMixin):
         self.context_seen = 0  # logical length at compression time (0 while dense)
         self.fresh = False  # True right after the first (prefill) update, until compression or the next update
         self.pending = False  # dense, awaiting a deferred method's decision at the end of the prefill
+        self._width_memo: tuple | None = None  # (lengths tensor, its version, uniform_width()) of the last call
 
     # --- state -------------------------------------------------------------------------------------------
     @property
@@ -199,6 +200,22 @@ class CompressedLayer(CacheLayerMixin):
         out.values = out.context_values.new_empty((rows, h, 0, d))
         out.seen = out.context_seen = first.seen
         return out
+
+    def uniform_width(self) -> int | None:
+        """The context entries every segment holds when they all hold the same count, else None.
+
+        Remembered per ``lengths`` tensor and version (a decode step asks once per layer; the counts change only when
+        the layer is compressed, shrunk or reordered)."""
+        lengths = self.lengths
+        memo = self._width_memo
+        if memo is not None and memo[0] is lengths and memo[1] == lengths._version:
+            return memo[2]
+        width = None
+        if lengths.numel():
+            top = int(lengths.max())
+            width = top if int(lengths.min()) == top else None
+        self._width_memo = (lengths, lengths._version, width)
+        return width
 
     def offsets(self) -> torch.Tensor:
         """Start of each segment in the flat context: (b * h_kv + 1,) long."""

@@ -123,23 +123,6 @@ def one_call_attention(
 # --- the uniform path ------------------------------------------------------------------------------------------
 
 
-def uniform_width(layer: CompressedLayer) -> int | None:
-    """The context entries every segment holds when they all hold the same count, else None.
-
-    Remembered per ``lengths`` tensor and version (a decode step asks once per layer; the counts change only when
-    the layer is compressed, shrunk or reordered)."""
-    lengths = layer.lengths
-    memo = layer.__dict__.get("_uniform_width")  # (the lengths tensor, its version, the width)
-    if memo is not None and memo[0] is lengths and memo[1] == lengths._version:
-        return memo[2]
-    width = None
-    if lengths.numel():
-        top = int(lengths.max())
-        width = top if int(lengths.min()) == top else None
-    layer.__dict__["_uniform_width"] = (lengths, lengths._version, width)
-    return width
-
-
 def uniform_attention(
     query: torch.Tensor,
     layer: CompressedLayer,
@@ -154,7 +137,7 @@ def uniform_attention(
     (b, q, h_q, d). Transient memory: the context and tail keys and values concatenated, as a dense cache's
     update makes them, and a (b, 1, G * q, L + tail) bool mask unless every query reads every entry.
     """
-    width = uniform_width(layer)
+    width = layer.uniform_width()
     if width is None:
         raise CriticalKVError("the uniform attention path needs every segment to keep the same number of entries")
     b, h_kv, _, d = tail_keys.shape
@@ -346,7 +329,7 @@ def choose_path(
             raise CriticalKVError(f"the flash attention path cannot run: {'; '.join(reasons)}")
         return path
     if path == "uniform":
-        if uniform_width(layer) is None:
+        if layer.uniform_width() is None:
             raise CriticalKVError(
                 "the uniform attention path cannot run: the segments keep different numbers of entries"
             )
@@ -355,6 +338,6 @@ def choose_path(
         return path
     if not flash_reasons(query, tail_mask):
         return "flash"
-    if uniform_width(layer) is not None:
+    if layer.uniform_width() is not None:
         return "uniform"
     return "padded" if padding_fits(layer, tail) else "segments"
