@@ -16,20 +16,9 @@ from pathlib import Path
 
 import torch
 
-from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts
+from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts, text_token_span
 from criticalkv.models.presets import load_model
 from criticalkv.runtime.session import ContextSession
-
-
-def answer_positions(tokenizer, prefix: str, prefix_ids: list[int], answer: str) -> list[int]:
-    """Token positions of the needle's number in the prompt's prefix (the last occurrence of the number)."""
-    encoded = tokenizer(prefix, add_special_tokens=False, return_offsets_mapping=True)
-    shift = len(prefix_ids) - len(encoded["input_ids"])  # a BOS the prefix ids carry and this encoding does not
-    if encoded["input_ids"] != prefix_ids[shift:]:
-        raise RuntimeError("the prefix tokenizes differently with offsets; cannot locate the needle")
-    start = prefix.rindex(answer)
-    end = start + len(answer)
-    return [shift + i for i, (a, b) in enumerate(encoded["offset_mapping"]) if a < end and b > start]
 
 
 def main() -> None:
@@ -54,7 +43,7 @@ def main() -> None:
             prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
             prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
             ids = torch.tensor([prefix_ids + suffix_ids])
-            positions = answer_positions(tokenizer, prefix, prefix_ids, sample.answer)
+            positions = range(*text_token_span(tokenizer, prefix, sample.answer, len(prefix_ids)))
             for method in ["full", *args.methods.split(",")]:
                 session = ContextSession(model, method, args.budget)
                 if session.compressor is not None:

@@ -8,7 +8,7 @@ import pytest
 
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval import needle
-from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts
+from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts, text_token_span
 
 
 def n_tokens(tokenizer, text: str) -> int:
@@ -101,3 +101,16 @@ def test_chat_prompt_parts_round_trip(smollm2_tokenizer) -> None:
     bos = smollm2_tokenizer.bos_token_id
     assert prefix_ids[0] == bos and prefix_ids[1] != bos
     assert prefix_ids + suffix_ids == smollm2_tokenizer(prefix + suffix, add_special_tokens=False)["input_ids"]
+
+
+def test_text_token_span_decodes_to_the_text(smollm2_tokenizer) -> None:
+    """The span of the needle's number and of its sentence, decoded from the prefix ids, give back that text."""
+    sample = build_needle_sample(smollm2_tokenizer, 600, depth=0.5, seed=2)
+    prefix, suffix = chat_prompt_parts(smollm2_tokenizer, sample.context, sample.question, sample.answer_prefix)
+    prefix_ids, _ = encode_prompt_parts(smollm2_tokenizer, prefix, suffix)
+    start, end = text_token_span(smollm2_tokenizer, prefix, sample.answer, len(prefix_ids))
+    assert smollm2_tokenizer.decode(prefix_ids[start:end]).strip() == sample.answer
+    start, end = text_token_span(smollm2_tokenizer, prefix, sample.needle, len(prefix_ids))
+    assert smollm2_tokenizer.decode(prefix_ids[start:end]).strip() == sample.needle.strip()
+    with pytest.raises(CriticalKVError):
+        text_token_span(smollm2_tokenizer, prefix, "not in the prompt at all 0000000", len(prefix_ids))

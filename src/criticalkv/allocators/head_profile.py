@@ -258,21 +258,6 @@ def load_profile(config: PretrainedConfig) -> HeadProfile:
 # --- calibration -----------------------------------------------------------------------------------------------
 
 
-def _needle_span(tokenizer: PreTrainedTokenizerBase, prefix: str, needle: str, n_tokens: int) -> tuple[int, int]:
-    """Token span [start, end) of the needle sentence inside the prefix as ``encode_prompt_parts`` encodes it."""
-    start_char = prefix.find(needle)
-    if start_char < 0:
-        raise CriticalKVError("the needle is not in the prompt prefix")
-    end_char = start_char + len(needle)
-    templated = bool(getattr(tokenizer, "chat_template", None))
-    enc = tokenizer(prefix, add_special_tokens=not templated, return_offsets_mapping=True)
-    offsets = enc["offset_mapping"]
-    if len(offsets) != n_tokens:
-        raise CriticalKVError("tokenizing the prefix with offsets gave another tokenization")
-    inside = [i for i, (a, b) in enumerate(offsets) if b > start_char and a < end_char and b > a]
-    return inside[0], inside[-1] + 1
-
-
 @torch.no_grad()
 def _sample_hits(
     model: PreTrainedModel, prompt: list[int], answer: list[int], span: tuple[int, int], copy: list[bool]
@@ -351,7 +336,7 @@ def calibrate_head_profile(
     name
         Label stored in the profile (e.g. the model preset).
     """
-    from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts
+    from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts, text_token_span
 
     if samples < 1 or not lengths:
         raise CriticalKVError("calibration needs samples >= 1 and at least one length")
@@ -368,7 +353,7 @@ def calibrate_head_profile(
             sample = build_needle_sample(tokenizer, n, depth, seed=sample_seed)
             prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
             prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
-            span = _needle_span(tokenizer, prefix, sample.needle, len(prefix_ids))
+            span = text_token_span(tokenizer, prefix, sample.needle, len(prefix_ids))
             answer = tokenizer(" " + sample.answer, add_special_tokens=False)["input_ids"]
             value_tokens = set(prefix_ids[span[0] : span[1]])
             copy = [tok in value_tokens and any(c.isdigit() for c in tokenizer.decode([tok])) for tok in answer]

@@ -245,3 +245,19 @@ def encode_prompt_parts(tokenizer: PreTrainedTokenizerBase, prefix: str, suffix:
     prefix_ids = tokenizer(prefix, add_special_tokens=not templated)["input_ids"]
     suffix_ids = tokenizer(suffix, add_special_tokens=False)["input_ids"]
     return prefix_ids, suffix_ids
+
+
+def text_token_span(tokenizer: PreTrainedTokenizerBase, prefix: str, text: str, n_tokens: int) -> tuple[int, int]:
+    """Token span [start, end) of the first occurrence of ``text`` in ``prefix``, as ``encode_prompt_parts`` encodes
+    the prefix into ``n_tokens`` tokens (the needle sentence, or the needle's number)."""
+    start_char = prefix.find(text)
+    if start_char < 0:
+        raise CriticalKVError(f"{text!r} is not in the prompt prefix")
+    end_char = start_char + len(text)
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    enc = tokenizer(prefix, add_special_tokens=not templated, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    if len(offsets) != n_tokens:
+        raise CriticalKVError("tokenizing the prefix with offsets gave another tokenization")
+    inside = [i for i, (a, b) in enumerate(offsets) if b > start_char and a < end_char and b > a]
+    return inside[0], inside[-1] + 1
