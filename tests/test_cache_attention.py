@@ -27,7 +27,8 @@ def _context(layer: CompressedLayer, bi: int, hi: int) -> tuple[torch.Tensor, to
 
 def _tail(layer: CompressedLayer, bi: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Entries appended after compression to segment (bi, hi): (tail, d) each."""
-    return layer.keys[bi, hi, : layer.tail], layer.values[bi, hi, : layer.tail]
+    keys, values = layer.tail_states()
+    return keys[bi, hi], values[bi, hi]
 
 
 def _storage_bytes(layer: CompressedLayer) -> int:
@@ -263,6 +264,90 @@ def test_appends_grow_geometrically(uneven):
             tk, _ = _tail(layer, bi, hi)
             assert torch.equal(tk[:, 0], torch.arange(1000, dtype=torch.float32))
             assert torch.equal(_context(layer, bi, hi)[0], k[bi, hi, keep[bi, hi]])
+
+
+def _uniform_keep(b, h, t, width, seed):
+    """A keep mask that keeps ``width`` random positions of every segment."""
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.rand(b, h, t, generator=gen).argsort(-1)
+    return torch.zeros(b, h, t, dtype=torch.bool).scatter_(-1, order[..., :width], True)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_joined_layer_decodes_like_masked_dense_attention(groups):
+    """The uniform path joins the layer at its first call; 150 decode steps later (two growths of the joined
+    buffers) every step's output still equals naive attention over the kept and appended entries."""
+    from criticalkv.cache.fused_attention import uniform_attention
+
+    b, h_kv, t, d, width = 2, 2, 40, 8, 10
+    keep = _uniform_keep(b, h_kv, t, width, seed=groups)
+    layer, k, v = _compressed(b, h_kv, t, d, keep, seed=groups)
+    question = torch.randn(b, h_kv, 3, d, generator=torch.Generator().manual_seed(7))
+    keys_out, values_out = layer.update(question, question * 2, 0)  # a question appended before the first read
+    gen = torch.Generator().manual_seed(groups + 100)
+    all_keys, all_values = [k, question], [v, question * 2]
+    flat_bytes = layer.nbytes()
+    capacities = set()
+    for step in range(150):
+        if step:
+            new_k, new_v = torch.randn(2, b, h_kv, 1, d, generator=gen)
+            keys_out, values_out = layer.update(new_k, new_v, 0)
+            all_keys.append(new_k)
+            all_values.append(new_v)
+        query = torch.randn(b, h_kv * groups, 1, d, generator=gen)
+        got = uniform_attention(query, layer, keys_out, values_out, layer.tail_mask(None, 1), 0.3)
+        dense_keys, dense_values = torch.cat(all_keys, dim=2), torch.cat(all_values, dim=2)
+        visible = torch.cat([keep, torch.ones(b, h_kv, dense_keys.shape[2] - t, dtype=torch.bool)], dim=-1)
+        want = _naive_attention(query, dense_keys, dense_values, visible[:, :, None], 0.3)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+        capacities.add(layer.nbytes())
+        if step == 0:  # joined: the flat context is released, not held twice
+            assert layer.nbytes() <= flat_bytes + 2 * b * h_kv * 64 * d * k.element_size()
+    assert len(capacities) >= 3  # the joined buffers grew while decoding
+    # reading the flat context splits the layer back, with every entry where it was
+    assert layer.tail == 3 + 149 and layer.entries() == b * h_kv * (width + layer.tail)
+    for bi in range(b):
+        for hi in range(h_kv):
+            assert torch.equal(_context(layer, bi, hi)[0], k[bi, hi, keep[bi, hi]])
+            assert torch.equal(_tail(layer, bi, hi)[1], torch.cat(all_values[1:], dim=2)[bi, hi])
+
+
+def test_joined_layer_splits_for_another_path_and_reorders():
+    """After joining, the padded path (which reads the flat context) and a batch reorder see the same entries."""
+    from criticalkv.cache.fused_attention import padded_attention, uniform_attention
+
+    b, h_kv, t, d = 3, 2, 20, 4
+    layer, _, _ = _compressed(b, h_kv, t, d, _uniform_keep(b, h_kv, t, 6, seed=3))
+    step = torch.randn(b, h_kv, 1, d, generator=torch.Generator().manual_seed(4))
+    keys_out, values_out = layer.update(step, step, 0)
+    query = torch.randn(b, h_kv, 1, d, generator=torch.Generator().manual_seed(5))
+    mask = layer.tail_mask(None, 1)
+    joined = uniform_attention(query, layer, keys_out, values_out, mask, 0.5)
+    split = padded_attention(query, layer, *layer.tail_states(), mask, 0.5)
+    torch.testing.assert_close(joined, split)
+    uniform_attention(query, layer, *layer.tail_states(), mask, 0.5)  # joined again
+    layer.batch_select_indices(torch.tensor([2, 0]))
+    torch.testing.assert_close(
+        uniform_attention(query[[2, 0]], layer, *layer.tail_states(), layer.tail_mask(None, 1), 0.5), joined[[2, 0]]
+    )
+
+
+def test_uniform_path_with_a_tail_not_the_layers_own():
+    """A caller's own tail (not what ``update`` returned) is attended for that call only: the same output as the
+    padded path, and the layer's stored tail is unchanged."""
+    from criticalkv.cache.fused_attention import padded_attention, uniform_attention
+
+    b, h_kv, t, d = 2, 2, 16, 4
+    layer, _, _ = _compressed(b, h_kv, t, d, _uniform_keep(b, h_kv, t, 5, seed=8))
+    gen = torch.Generator().manual_seed(9)
+    stored = torch.randn(b, h_kv, 2, d, generator=gen)
+    layer.update(stored, stored, 0)
+    other = torch.randn(b, h_kv, 3, d, generator=gen)
+    query = torch.randn(b, h_kv, 1, d, generator=gen)
+    mask = torch.ones(b, 1, 1, 3, dtype=torch.bool)
+    got = uniform_attention(query, layer, other, other, mask, 0.5)
+    torch.testing.assert_close(got, padded_attention(query, layer, other, other, mask, 0.5))
+    assert layer.tail == 2 and torch.equal(layer.tail_states()[0], stored)
 
 
 def test_batch_select_and_repeat_keep_segments_consistent():

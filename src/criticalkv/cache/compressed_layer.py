@@ -8,6 +8,13 @@ Two parts:
 * the **tail**, dense: ``keys``/``values`` (b, h_kv, capacity, d) hold what is appended after compression
   (question and generated tokens), the same count for every segment, grown geometrically (amortised O(1)).
 
+When every segment keeps the same count L (any per-layer budget), the ``uniform`` attention path *joins* the two
+at its first call: one buffer (b, h_kv, L + capacity, d) per tensor holds each segment's context, then its tail
+(``keys``/``values`` are then None; ``tail_states()`` reads the tail in either layout). Appends are written in
+place and a decode step reads a slice of the buffer, where the flat layout (like transformers' ``DynamicLayer``)
+copies the whole cache into a new tensor at every step. Reading ``context_keys``/``context_values`` (the other
+paths, ``shrink``, reordering) splits the layer back into the flat layout first.
+
 Before compression the layer is *dense*: no context part, and the tail is the whole prompt, stored exactly as
 transformers' ``DynamicLayer`` stores it. Logical bookkeeping (``seen``) counts every token ever written, so
 positions and masks built by transformers stay those of the uncompressed sequence.
@@ -29,8 +36,9 @@ class CompressedLayer(CacheLayerMixin):
 
     def __init__(self) -> None:
         super().__init__()
-        self.context_keys: torch.Tensor | None = None  # (N, d) kept context entries, segment after segment
-        self.context_values: torch.Tensor | None = None  # (N, d)
+        self._context_keys: torch.Tensor | None = None  # (N, d) kept context entries, segment after segment
+        self._context_values: torch.Tensor | None = None  # (N, d)
+        self._joined: tuple[torch.Tensor, torch.Tensor] | None = None  # (b, h_kv, L + capacity, d) keys, values
         self.lengths: torch.Tensor | None = None  # (b, h_kv) long: kept context entries per segment
         self.tail = 0  # entries appended to the tail, shared by every segment
         self.seen = 0  # logical length: every token written so far
@@ -42,7 +50,72 @@ class CompressedLayer(CacheLayerMixin):
     # --- state -------------------------------------------------------------------------------------------
     @property
     def is_compressed(self) -> bool:
-        return self.context_keys is not None
+        return self._context_keys is not None or self._joined is not None
+
+    @property
+    def context_keys(self) -> torch.Tensor | None:
+        """(N, d) kept context keys, segment after segment (a joined layer is split back first)."""
+        self._split()
+        return self._context_keys
+
+    @context_keys.setter
+    def context_keys(self, keys: torch.Tensor | None) -> None:
+        self._split()
+        self._context_keys = keys
+
+    @property
+    def context_values(self) -> torch.Tensor | None:
+        """(N, d) kept context values, in the order of ``context_keys``."""
+        self._split()
+        return self._context_values
+
+    @context_values.setter
+    def context_values(self, values: torch.Tensor | None) -> None:
+        self._split()
+        self._context_values = values
+
+    def joined_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (b, h_kv, L + tail, d): every segment's L context entries, then its tail.
+
+        Views of one buffer per tensor, built at the first call (one copy of the context and tail) and kept: later
+        appends write into it. Only for a layer whose segments all keep the same count.
+        """
+        width = self.uniform_width()
+        if width is None:
+            raise CacheStateError("only a layer whose segments keep the same number of entries can be joined")
+        if self._joined is None:
+            b, h, capacity, d = self.keys.shape
+            joined = []
+            for context, tail in ((self._context_keys, self.keys), (self._context_values, self.values)):
+                buffer = tail.new_empty((b, h, width + capacity, d))
+                buffer[:, :, :width] = context.view(b, h, width, d)
+                buffer[:, :, width : width + self.tail] = tail[:, :, : self.tail]
+                joined.append(buffer)
+            self._joined = (joined[0], joined[1])
+            # The joined buffers hold everything; no view of them is kept (a view made under no_grad could not be
+            # written later with grad enabled), so the tail is addressed as columns L onwards.
+            self._context_keys = self._context_values = self.keys = self.values = None
+        end = width + self.tail
+        return self._joined[0][:, :, :end], self._joined[1][:, :, :end]
+
+    def tail_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (b, h_kv, tail, d) appended after the context (for a dense layer: the whole prompt)."""
+        if self._joined is None:
+            return self.keys[:, :, : self.tail], self.values[:, :, : self.tail]
+        width = self.uniform_width()
+        return self._joined[0][:, :, width : width + self.tail], self._joined[1][:, :, width : width + self.tail]
+
+    def _split(self) -> None:
+        """Back to the flat layout: the context as (N, d), the tail in a buffer of its own."""
+        if self._joined is None:
+            return
+        keys, values = self._joined
+        b, h, _, d = keys.shape
+        width = self.uniform_width()
+        self._context_keys = keys[:, :, :width].reshape(b * h * width, d)  # a copy unless the tail has no room
+        self._context_values = values[:, :, :width].reshape(b * h * width, d)
+        self.keys, self.values = keys[:, :, width:].clone(), values[:, :, width:].clone()  # capacity kept
+        self._joined = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -62,11 +135,13 @@ class CompressedLayer(CacheLayerMixin):
             return self.keys, self.values
         self.fresh = False
         self._reserve(self.tail + q)
-        self.keys[:, :, self.tail : self.tail + q] = key_states
-        self.values[:, :, self.tail : self.tail + q] = value_states
+        keys, values = (self.keys, self.values) if self._joined is None else self._joined
+        start = self.tail if self._joined is None else self.uniform_width() + self.tail
+        keys[:, :, start : start + q] = key_states
+        values[:, :, start : start + q] = value_states
         self.tail += q
         self.seen += q
-        return self.keys[:, :, : self.tail], self.values[:, :, : self.tail]
+        return self.tail_states()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
@@ -88,7 +163,7 @@ class CompressedLayer(CacheLayerMixin):
         self.seen -= n
 
     def reset(self) -> None:
-        self.keys = self.values = self.lengths = self.context_keys = self.context_values = None
+        self.keys = self.values = self.lengths = self._context_keys = self._context_values = self._joined = None
         self.tail = self.seen = self.context_seen = 0
         self.fresh = self.pending = self.is_initialized = False
 
@@ -98,6 +173,7 @@ class CompressedLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
             return
+        self._split()
         indices = indices.to(self.device)
         self.keys, self.values = self.keys[indices], self.values[indices]
         if self.is_compressed:
@@ -112,6 +188,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
+            self._split()
             b = self.keys.shape[0]
             self.batch_select_indices(torch.arange(b, device=self.device).repeat_interleave(repeats))
 
@@ -237,23 +314,39 @@ class CompressedLayer(CacheLayerMixin):
         """Bytes this layer holds: key/value storage (tail capacity included) and its bookkeeping."""
         if not self.is_initialized:
             return 0
+        if self._joined is not None:
+            return self._joined[0].nbytes + self._joined[1].nbytes + self.lengths.nbytes
         total = self.keys.nbytes + self.values.nbytes
         if self.is_compressed:
-            total += self.context_keys.nbytes + self.context_values.nbytes + self.lengths.nbytes
+            total += self._context_keys.nbytes + self._context_values.nbytes + self.lengths.nbytes
         return total
 
     def entries(self) -> int:
         """Cached (batch, head, token) entries, summed over segments."""
         if not self.is_initialized:
             return 0
-        context = int(self.lengths.sum()) if self.is_compressed else 0
-        return context + self.tail * self.keys.shape[0] * self.keys.shape[1]
+        if not self.is_compressed:
+            return self.tail * self.keys.shape[0] * self.keys.shape[1]
+        return int(self.lengths.sum()) + self.tail * self.lengths.numel()
 
     def _reserve(self, needed: int) -> None:
-        capacity = self.keys.shape[2]
+        if self._joined is not None:
+            width = self.uniform_width()
+            capacity = self._joined[0].shape[2] - width
+        else:
+            capacity = self.keys.shape[2]
         if needed <= capacity:
             return
         new_capacity = max(needed, capacity + max(_MIN_GROWTH, capacity // 8))
+        if self._joined is not None:  # larger joined buffers, the context and the tail so far copied over
+            grown = []
+            for buffer in self._joined:
+                b, h, _, d = buffer.shape
+                larger = buffer.new_empty((b, h, width + new_capacity, d))
+                larger[:, :, : width + self.tail] = buffer[:, :, : width + self.tail]
+                grown.append(larger)
+            self._joined = (grown[0], grown[1])
+            return
         grow = (*self.keys.shape[:2], new_capacity - capacity, self.keys.shape[-1])
         self.keys = torch.cat([self.keys, self.keys.new_zeros(grow)], dim=2)
         self.values = torch.cat([self.values, self.values.new_zeros(grow)], dim=2)

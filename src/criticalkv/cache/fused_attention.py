@@ -134,16 +134,25 @@ def uniform_attention(
     """One SDPA call over a layer whose segments all keep the same count; same contract as ``padded_attention``.
 
     query (b, h_q, q, d); tail_keys, tail_values (b, h_kv, tail, d); tail_mask (b, 1, q, tail) bool. Returns
-    (b, q, h_q, d). Transient memory: the context and tail keys and values concatenated, as a dense cache's
-    update makes them, and a (b, 1, G * q, L + tail) bool mask unless every query reads every entry.
+    (b, q, h_q, d). The layer is joined at the first call (``CompressedLayer.joined_states``: context and tail in
+    one buffer, appends written in place), so when the tail is the layer's own (what its ``update`` returned) a
+    decode step copies nothing. Any other tail is concatenated to the context for this call only. Transient
+    memory: that concatenation, and a (b, 1, G * q, L + tail) bool mask unless every query reads every entry.
     """
     width = layer.uniform_width()
     if width is None:
         raise CriticalKVError("the uniform attention path needs every segment to keep the same number of entries")
-    b, h_kv, _, d = tail_keys.shape
-    keys = torch.cat([layer.context_keys.view(b, h_kv, width, d), tail_keys], dim=2)  # (b, h_kv, L + tail, d)
-    values = torch.cat([layer.context_values.view(b, h_kv, width, d), tail_values], dim=2)
+    own_keys, own_values = layer.tail_states()
+    keys, values = layer.joined_states()  # (b, h_kv, L + tail, d)
+    if not (_same_view(tail_keys, own_keys) and _same_view(tail_values, own_values)):
+        keys = torch.cat([keys[:, :, :width], tail_keys], dim=2)  # (b, h_kv, L + tail', d)
+        values = torch.cat([values[:, :, :width], tail_values], dim=2)
     return one_call_attention(query, keys, values, None, tail_mask, scaling)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors view the same memory the same way."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
 # --- the padded path --------------------------------------------------------------------------------------------
