@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from plot_benchmarks import answer_cells
+from plot_benchmarks import answer_cells, fastest_table
 from quality_vs_kvpress import trim_at_eos
 from speed_memory import kvpress_ratio, run_child, summarise
 
@@ -83,6 +83,28 @@ def test_gpu_benchmark_method_specs_and_summary() -> None:
     assert rows[1, "snapkv"]["relative_to_full"]["kv_bytes"] == 0.2
     assert rows[1, "full"]["relative_to_full"]["ttft_seconds"] == 1.0
     assert "relative_to_full" not in rows[4, "snapkv"]
+
+
+def test_fastest_table_takes_each_systems_fastest_repeat() -> None:
+    def run(repeat: int, method: str, system: str, ttft: float, decode: float) -> dict:
+        return {
+            "repeat": repeat,
+            "length": 2048,
+            "method": method,
+            "system": system,
+            "ttft_cpu_seconds": ttft,
+            "decode_cpu_ms_per_token_median": decode,
+        }
+
+    runs = [
+        run(0, "snapkv", "ours", 4.0, 60.0),
+        run(0, "snapkv", "kvpress", 5.0, 50.0),
+        run(1, "snapkv", "ours", 3.0, 70.0),
+        run(1, "snapkv", "kvpress", 6.0, 40.0),
+        run(0, "measured-snapkv", "ours", 1.0, 1.0),  # no kvpress twin: no row
+    ]
+    rows = [line for line in fastest_table(runs, "cpu").splitlines() if line.startswith("| 2048")]
+    assert rows == ["| 2048 | snapkv | 0.600 | 1.500 |"]
 
 
 def test_answer_cells_start_near_the_first_difference_on_one_line() -> None:
