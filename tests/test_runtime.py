@@ -656,3 +656,21 @@ def test_compressed_cache_continued_outside_the_block_is_right_or_refused():
     except CriticalKVError:
         return  # refusing is fine
     torch.testing.assert_close(outside, inside, rtol=1e-5, atol=1e-5)
+
+
+def test_uniform_decode_runs_on_joined_layers_and_equals_the_flat_path(monkeypatch):
+    """A real greedy decode with a per-layer budget joins every compressed layer (no per-step copy of the cache:
+    ``keys`` is None once joined) and produces the same logits as the padded path over the flat layout."""
+    model = _model("llama")
+    ids = _ids(48, seed=46, b=2)
+    runs = {}
+    for path in ("uniform", "padded"):
+        monkeypatch.setenv("CRITICALKV_ATTENTION", path)
+        with criticalkv.compress(model, "snapkv", budget=0.25, window=8):
+            out = model.generate(
+                ids, max_new_tokens=80, do_sample=False, return_dict_in_generate=True, output_logits=True
+            )
+        layers = [layer for layer in out.past_key_values.layers if isinstance(layer, CompressedLayer)]
+        runs[path] = (torch.stack(out.logits), [layer.keys is None for layer in layers])
+    assert all(runs["uniform"][1]) and not any(runs["padded"][1])
+    torch.testing.assert_close(runs["uniform"][0], runs["padded"][0], rtol=1e-5, atol=1e-5)
