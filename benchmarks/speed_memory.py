@@ -1,7 +1,8 @@
 """Speed and memory over context lengths, criticalkv against NVIDIA kvpress 0.5.5 on the same prompts.
 
-For every context length, method and repeat, one process runs one generation: a warm-up on the first 256
-tokens, then the prefill of the whole prompt (time to first token), ``--decode-steps`` greedy decode steps
+For every context length, method and repeat, one process runs a warm-up generation on the first 256 tokens,
+then ``--runs-per-process`` timed generations (default one; on a GPU, where a process's start costs more than its
+runs, more): the prefill of the whole prompt (time to first token), ``--decode-steps`` greedy decode steps
 (median seconds per token), the KV bytes the cache holds after the prefill and the peak memory above the start
 of the prefill (process RSS; on a GPU also CUDA's allocator). The kvpress runs use kvpress's own virtual
 environment and process (benchmarks/kvpress/speed_kvpress.py) on the same model folder and the same token ids,
@@ -79,8 +80,8 @@ def kvpress_ratio(budget: str, prompt_tokens: int) -> float:
     return 1 - (kept + 0.5) / prompt_tokens
 
 
-def measure_ours(args: argparse.Namespace) -> dict:
-    """One run of criticalkv in this process (``--single``)."""
+def measure_ours(args: argparse.Namespace) -> list[dict]:
+    """``--runs-per-process`` runs of criticalkv in this process (``--single``), after one warm-up."""
     import transformers
     from transformers import DynamicCache
 
@@ -92,23 +93,26 @@ def measure_ours(args: argparse.Namespace) -> dict:
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
     with criticalkv.compress(model, args.single, args.budget) as compressor:
         timed_greedy(model, ids[:, : args.warmup_tokens], DynamicCache(config=model.config), 2)
-        result = timed_greedy(model, ids, DynamicCache(config=model.config), args.decode_steps)
-    result.update(
-        system="ours",
-        method=args.single,
-        budget=args.budget if compressor is not None else "full",
-        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-        threads=torch.get_num_threads(),
-        attention_path=os.environ.get("CRITICALKV_ATTENTION", "auto"),
-        source_sha256=source_digest(),
-        versions={
+        results = [
+            timed_greedy(model, ids, DynamicCache(config=model.config), args.decode_steps)
+            for _ in range(args.runs_per_process)
+        ]
+    shared = {
+        "system": "ours",
+        "method": args.single,
+        "budget": args.budget if compressor is not None else "full",
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "attention_path": os.environ.get("CRITICALKV_ATTENTION", "auto"),
+        "source_sha256": source_digest(),
+        "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "criticalkv": criticalkv.__version__,
         },
-    )
-    return result
+    }
+    return [{**result, **shared, "run_in_process": k} for k, result in enumerate(results)]
 
 
 def source_digest() -> str:
@@ -131,9 +135,12 @@ def run_child(command: list[str], allocator: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run_once(args: argparse.Namespace, system: str, method: str, folder: Path, ids_file: Path, tokens: int) -> dict:
-    """One measurement in a fresh process of ``system``."""
+def run_process(
+    args: argparse.Namespace, system: str, method: str, folder: Path, ids_file: Path, tokens: int
+) -> list[dict]:
+    """``--runs-per-process`` measurements in one fresh process of ``system``."""
     shared = ["--threads", str(args.threads), "--decode-steps", str(args.decode_steps), "--device", args.device]
+    shared += ["--runs-per-process", str(args.runs_per_process)]
     if system == "ours":
         command = [sys.executable, __file__, "--single", method, "--ids", str(ids_file), "--model", args.model]
         command += ["--budget", args.budget, "--dtype", args.dtype, "--warmup-tokens", str(args.warmup_tokens)]
@@ -142,9 +149,10 @@ def run_once(args: argparse.Namespace, system: str, method: str, folder: Path, i
         command += ["--input", str(ids_file), "--press", PRESS_OF[method], "--dtype", args.dtype]
         command += ["--compression-ratio", repr(kvpress_ratio(args.budget, tokens) if method != "full" else 0.0)]
         command += ["--warmup-tokens", str(args.warmup_tokens)]
-    result = run_child(command + shared, args.allocator)
-    result.update(method=method, allocator=args.allocator)
-    return result
+    results = run_child(command + shared, args.allocator)
+    for result in results:
+        result.update(method=method, allocator=args.allocator)
+    return results
 
 
 def summarise(runs: list[dict], lengths: list[int], methods: list[str], systems: list[str]) -> list[dict]:
@@ -237,7 +245,13 @@ def main() -> None:
     parser.add_argument("--methods", default="full,snapkv,critical-snapkv,critical-adakv", help="criticalkv presets")
     parser.add_argument("--systems", default="ours,kvpress", help="ours, kvpress or both")
     parser.add_argument("--budget", default="0.2")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="processes per (length, method, system)")
+    parser.add_argument(
+        "--runs-per-process",
+        type=int,
+        default=1,
+        help="timed runs in each process after its warm-up (a GPU's process start costs more than its runs)",
+    )
     parser.add_argument("--decode-steps", type=int, default=32, help="decode steps timed per run (median)")
     parser.add_argument("--warmup-tokens", type=int, default=256, help="prompt length of each process's warm-up")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -258,6 +272,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.runs_per_process < 1:
+        raise SystemExit("--runs-per-process must be at least 1")
     if args.single:
         print(json.dumps(measure_ours(args)))
         return
@@ -294,13 +310,14 @@ def main() -> None:
                 tokens = len(json.loads(files[length].read_text())["input_ids"][0])
                 for method in methods:
                     for system in systems:
-                        if (system == "kvpress" and method not in PRESS_OF) or (repeat, length, method, system) in done:
+                        first = repeat * args.runs_per_process  # the repeat index of this process's first run
+                        if (system == "kvpress" and method not in PRESS_OF) or (first, length, method, system) in done:
                             continue
-                        r = run_once(args, system, method, folder, files[length], tokens)
-                        r.update(length=length, repeat=repeat)
-                        runs.append(r)
-                        print(f"#{repeat} {length:6d} {method:16s} {system:8s} {_one_line(r)}", flush=True)
-                        write_report(args, folder, runs, lengths, methods, systems)  # after every run: resumable
+                        for k, r in enumerate(run_process(args, system, method, folder, files[length], tokens)):
+                            r.update(length=length, repeat=first + k, process=repeat)
+                            runs.append(r)
+                            print(f"#{first + k} {length:6d} {method:16s} {system:8s} {_one_line(r)}", flush=True)
+                        write_report(args, folder, runs, lengths, methods, systems)  # after every process: resumable
     write_report(args, folder, runs, lengths, methods, systems)
     print(f"wrote {args.out}")
 

@@ -128,3 +128,59 @@ def test_allocator_setting_reaches_the_measurement_process(monkeypatch: pytest.M
     assert run_child(show, "glibc") is None
     with pytest.raises(ValueError, match="allocator"):
         run_child(show, "jemalloc")
+
+
+def _tiny_shape_folder(folder: Path, tokenizer) -> Path:
+    """A folder of a 2-layer Llama's config.json and a tokenizer, as a shape to draw weights for."""
+    from transformers import LlamaConfig
+
+    folder.mkdir()
+    LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+    ).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "criticalkv-preset.json").write_text("{}")  # a converted preset's marker: must not be copied
+    return folder
+
+
+def test_random_weights_follow_the_seed_and_keep_the_shape(tmp_path: Path, tiny_tokenizer) -> None:
+    import torch
+    from random_weights import write_random_model
+    from safetensors.torch import load_file
+
+    shape = _tiny_shape_folder(tmp_path / "shape", tiny_tokenizer)
+    a, b, c = (write_random_model(shape, tmp_path / name, seed) for name, seed in (("a", 0), ("b", 0), ("c", 1)))
+    weights = [load_file(folder / "model.safetensors") for folder in (a, b, c)]
+    assert weights[0].keys() == weights[2].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # same seed, same weights
+    assert not torch.equal(
+        weights[0]["model.layers.0.self_attn.q_proj.weight"], weights[2]["model.layers.0.self_attn.q_proj.weight"]
+    )
+    assert weights[0]["model.layers.0.self_attn.k_proj.weight"].shape == (32, 64)  # 2 KV heads of 16
+    assert weights[0]["model.layers.0.self_attn.k_proj.weight"].dtype == torch.bfloat16
+    assert (a / "tokenizer.json").is_file() and not (a / "criticalkv-preset.json").exists()
+    with pytest.raises(SystemExit, match="not empty"):
+        write_random_model(shape, a)
+
+
+def test_one_process_times_several_runs_of_the_same_generation(tmp_path: Path, tiny_tokenizer) -> None:
+    """``--runs-per-process N``: one warm-up, then N timed generations of the same prompt, the same tokens."""
+    import json
+
+    from random_weights import write_random_model
+
+    folder = write_random_model(_tiny_shape_folder(tmp_path / "shape", tiny_tokenizer), tmp_path / "model", seed=0)
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps({"input_ids": [[(7 * i) % 290 + 2 for i in range(96)]]}))
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "speed_memory.py"
+    command = [sys.executable, str(script), "--single", "snapkv", "--ids", str(ids), "--model", str(folder)]
+    command += ["--budget", "0.5", "--decode-steps", "3", "--warmup-tokens", "16", "--runs-per-process", "2"]
+    runs = run_child(command, "glibc")
+    assert [r["run_in_process"] for r in runs] == [0, 1]
+    assert runs[0]["generated"] == runs[1]["generated"] and len(runs[0]["generated"]) == 4
+    assert runs[0]["kv_entries"] == runs[1]["kv_entries"] and runs[0]["method"] == "snapkv"

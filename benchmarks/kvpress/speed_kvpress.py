@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One speed and memory run of one kvpress 0.5.5 press, for benchmarks/speed_memory.py: prints one JSON line.
+"""Speed and memory runs of one kvpress 0.5.5 press, for benchmarks/speed_memory.py: prints one JSON line (a list).
 
 Runs INSIDE kvpress's virtual environment (setup_kvpress_env.sh), as its own process; it never imports criticalkv.
 It times exactly what criticalkv's side times, with the same code (benchmarks/timed_generation.py): a warm-up
@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--warmup-tokens", type=int, default=256, help="prompt length of the warm-up run")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--runs-per-process", type=int, default=1, help="timed runs after the warm-up")
     args = parser.parse_args()
     if "criticalkv" in sys.modules:
         raise SystemExit("speed_kvpress.py must not run in criticalkv's environment")
@@ -52,23 +53,23 @@ def main() -> None:
     press = build_press(args, kvpress)
     scope = (lambda: press(model)) if press is not None else contextlib.nullcontext
     timed_greedy(model, ids[:, : args.warmup_tokens], DynamicCache(), 2, scope)
-    result = timed_greedy(model, ids, DynamicCache(), args.decode_steps, scope)
-    result.update(
-        system="kvpress",
-        press=args.press,
-        press_repr=repr(press),
-        compression_ratio=args.compression_ratio,
-        dtype=args.dtype,
-        threads=torch.get_num_threads(),
-        patched_config_head_dim=patched,
-        versions={
+    results = [timed_greedy(model, ids, DynamicCache(), args.decode_steps, scope) for _ in range(args.runs_per_process)]
+    shared = {
+        "system": "kvpress",
+        "press": args.press,
+        "press_repr": repr(press),
+        "compression_ratio": args.compression_ratio,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "patched_config_head_dim": patched,
+        "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "kvpress": dist_version("kvpress"),
         },
-    )
-    print(json.dumps(result))
+    }
+    print(json.dumps([{**result, **shared, "run_in_process": k} for k, result in enumerate(results)]))
 
 
 if __name__ == "__main__":
