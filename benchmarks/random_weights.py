@@ -24,21 +24,27 @@ NOT_COPIED = ("criticalkv-preset.json",)  # a converted preset's completion mark
 MARKER = "random-weights.json"  # records where the shape came from and the seed
 
 
-def write_random_model(source: Path, out: Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Save a model of ``source``'s configuration with weights drawn under ``seed`` into ``out``; returns ``out``."""
+def write_random_model(
+    source: Path, out: Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"
+) -> Path:
+    """Save a model of ``source``'s configuration with weights drawn under ``seed`` into ``out``; returns ``out``.
+
+    ``device``: where the weights are drawn (a GPU draws a 0.5B model in a second; the CPU's and a GPU's random
+    streams differ, so the device is part of what makes the weights)."""
     if not (source / "config.json").is_file():
         raise SystemExit(f"{source} holds no config.json")
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"{out} exists and is not empty")
     config = AutoConfig.from_pretrained(source)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(out)
     for path in sorted(source.iterdir()):  # tokenizer, chat template, generation config; never the weights
         copied = path.suffix not in WEIGHT_SUFFIXES and path.name not in NOT_COPIED
         if path.is_file() and copied and not (out / path.name).exists():
             shutil.copy2(path, out / path.name)
-    record = {"shape_of": source.name, "seed": seed, "dtype": str(dtype).removeprefix("torch.")}
+    record = {"shape_of": source.name, "seed": seed, "dtype": str(dtype).removeprefix("torch."), "device": device}
     (out / MARKER).write_text(json.dumps(record, indent=2))
     return out
 
@@ -49,6 +55,7 @@ def main() -> None:
     parser.add_argument("out", type=Path, help="the new folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--device", default="cpu", help="where the weights are drawn: cpu or cuda")
     args = parser.parse_args()
     source = Path(args.source)
     if not source.is_dir():
@@ -57,7 +64,7 @@ def main() -> None:
         if args.source not in PRESETS:
             raise SystemExit(f"{args.source} is neither a folder nor a preset ({', '.join(PRESETS)})")
         source = resolve_model_folder(args.source)
-    print(write_random_model(source, args.out, args.seed, getattr(torch, args.dtype)))
+    print(write_random_model(source, args.out, args.seed, getattr(torch, args.dtype), args.device))
 
 
 if __name__ == "__main__":
