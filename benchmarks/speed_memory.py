@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from timed_generation import ALLOCATORS, child_environment, timed_greedy
+from timed_generation import ALLOCATORS, child_environment, count_prefill_ops, timed_greedy
 
 HERE = Path(__file__).resolve().parent
 VENV = Path(os.environ.get("CRITICALKV_KVPRESS_VENV", Path.home() / ".cache/criticalkv/kvpress-venv"))
@@ -51,6 +51,7 @@ FIGURES = (
     "peak_rss_above_start_bytes",
     "kv_bytes",
 )
+OPTIONAL_FIGURES = ("peak_cuda_above_start_bytes", "prefill_dispatched_ops", "prefill_host_reads")  # GPU; --count-ops
 
 
 def prompt_ids(tokenizer, length: int, seed: int = 0) -> list[int]:
@@ -97,6 +98,7 @@ def measure_ours(args: argparse.Namespace) -> list[dict]:
             timed_greedy(model, ids, DynamicCache(config=model.config), args.decode_steps)
             for _ in range(args.runs_per_process)
         ]
+        ops = count_prefill_ops(model, ids, DynamicCache(config=model.config)) if args.count_ops else {}
     shared = {
         "system": "ours",
         "method": args.single,
@@ -112,7 +114,7 @@ def measure_ours(args: argparse.Namespace) -> list[dict]:
             "criticalkv": criticalkv.__version__,
         },
     }
-    return [{**result, **shared, "run_in_process": k} for k, result in enumerate(results)]
+    return [{**result, **shared, **ops, "run_in_process": k} for k, result in enumerate(results)]
 
 
 def source_digest() -> str:
@@ -140,7 +142,7 @@ def run_process(
 ) -> list[dict]:
     """``--runs-per-process`` measurements in one fresh process of ``system``."""
     shared = ["--threads", str(args.threads), "--decode-steps", str(args.decode_steps), "--device", args.device]
-    shared += ["--runs-per-process", str(args.runs_per_process)]
+    shared += ["--runs-per-process", str(args.runs_per_process)] + (["--count-ops"] if args.count_ops else [])
     if system == "ours":
         command = [sys.executable, __file__, "--single", method, "--ids", str(ids_file), "--model", args.model]
         command += ["--budget", args.budget, "--dtype", args.dtype, "--warmup-tokens", str(args.warmup_tokens)]
@@ -167,9 +169,10 @@ def summarise(runs: list[dict], lengths: list[int], methods: list[str], systems:
                     continue
                 row["prompt_tokens"] = mine[0]["prompt_tokens"]
                 row["repeats"] = len(mine)
-                keys = FIGURES + (("peak_cuda_above_start_bytes",) if "peak_cuda_above_start_bytes" in mine[0] else ())
+                keys = FIGURES + tuple(k for k in OPTIONAL_FIGURES if k in mine[0])
                 row[system] = {k: statistics.median(r[k] for r in mine) for k in keys}
-            rows.append(row)
+            if "repeats" in row:  # a partial report (a run stopped early) has no row for what never ran
+                rows.append(row)
     for row in rows:
         full = next((r for r in rows if r["length"] == row["length"] and r["method"] == "full"), None)
         for system in systems:
@@ -267,6 +270,12 @@ def main() -> None:
         "includes what the allocator retains)",
     )
     parser.add_argument("--resume", action="store_true", help="keep the runs already in --out, run the rest")
+    parser.add_argument(
+        "--count-ops",
+        action="store_true",
+        help="after the timed runs, count the operators of one more prefill and those the host waits for "
+        "(timed_generation.count_prefill_ops)",
+    )
     parser.add_argument("--single", help=argparse.SUPPRESS)  # internal: one run of one method in this process
     parser.add_argument("--ids", type=Path, help=argparse.SUPPRESS)  # internal: the token ids of that run
     args = parser.parse_args()

@@ -7,6 +7,12 @@ Time: wall-clock seconds and this process's CPU seconds (``time.process_time``).
 time is the figure to read on a machine that other jobs share: it counts only what this process computed. On a GPU
 only the wall clock means anything.
 
+Operators (``count_prefill_ops``): the aten operators one prefill dispatches, each about one kernel launch on a
+GPU, and those whose result the host reads (``.item()``, ``nonzero``, ``bool(tensor)``, indexing by a boolean mask),
+each a wait for the GPU.
+On a small model on a GPU the prefill is bound by these launches, not by arithmetic: the count explains times
+that the arithmetic does not, and it can be taken on a CPU.
+
 Memory: peak resident set size (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``) above the RSS just before
 the prefill, and on a GPU the peak of ``torch.cuda.max_memory_allocated`` above what was allocated then. Run the
 process in ``child_environment("mmap")`` so that freed tensors leave the process and RSS tracks live memory.
@@ -23,8 +29,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ALLOCATORS = ("mmap", "glibc")  # settings of glibc's allocator for a measurement process (child_environment)
+HOST_READS = ("_local_scalar_dense", "nonzero", "is_nonzero", "equal")  # operators whose result the host waits for
+MASK_INDEXING = ("index", "index_put", "index_put_")  # with a boolean index these count its True entries first
 
 
 def child_environment(allocator: str = "mmap") -> dict[str, str]:
@@ -89,6 +98,44 @@ def _cache_argument(model) -> str:
     """The forward's (and its output's) name for the cache: ``cache`` (transformers 5.24) or ``past_key_values``
     (transformers 5.2, kvpress's)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+class _OperatorCount(TorchDispatchMode):
+    """Counts the aten operators dispatched inside it (below autograd: the ones that run kernels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+        self.host_reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.total += 1
+        self.host_reads += _reads_host(func.__name__.split(".")[0], args)
+        return func(*args, **(kwargs or {}))
+
+
+def _reads_host(name: str, args: tuple) -> bool:
+    """Whether an operator makes the host wait for the device: a read of a value, or indexing by a boolean mask
+    (``x[mask]``, ``x[mask] = y``), whose output size is the mask's count."""
+    if name in HOST_READS:
+        return True
+    indices = args[1] if name in MASK_INDEXING and len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
+
+
+@torch.no_grad()
+def count_prefill_ops(
+    model,
+    input_ids: torch.Tensor,
+    cache,
+    prefill_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> dict[str, int]:
+    """The operators one prefill of ``input_ids`` dispatches inside ``prefill_scope()``, and how many the host
+    waits for (``HOST_READS``). Run it apart from timed runs: counting slows every operator."""
+    counter = _OperatorCount()
+    with prefill_scope(), counter:
+        model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{_cache_argument(model): cache})
+    return {"prefill_dispatched_ops": counter.total, "prefill_host_reads": counter.host_reads}
 
 
 def _sync(device: torch.device) -> None:

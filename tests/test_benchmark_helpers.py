@@ -58,6 +58,7 @@ def test_summarise_medians_fractions_and_ratios() -> None:
     assert snap["ours"]["kv_fraction_of_full"] == pytest.approx(0.2)
     assert snap["ratio_ours_over_kvpress"]["kv_bytes"] == pytest.approx(1.0)
     assert full["repeats"] == 3
+    assert summarise(runs, [1024, 2048], ["full", "snapkv"], ["ours", "kvpress"]) == rows  # 2048 never ran
 
 
 def test_gpu_benchmark_method_specs_and_summary() -> None:
@@ -184,3 +185,30 @@ def test_one_process_times_several_runs_of_the_same_generation(tmp_path: Path, t
     assert [r["run_in_process"] for r in runs] == [0, 1]
     assert runs[0]["generated"] == runs[1]["generated"] and len(runs[0]["generated"]) == 4
     assert runs[0]["kv_entries"] == runs[1]["kv_entries"] and runs[0]["method"] == "snapkv"
+
+
+def test_prefill_operator_count_sees_compression_and_host_reads(tiny_tokenizer) -> None:
+    """The full cache's prefill reads nothing back to the host; compression adds operators and host reads."""
+    import torch
+    from timed_generation import count_prefill_ops
+    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+
+    import criticalkv
+
+    config = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tiny_tokenizer),
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    ids = torch.randint(2, len(tiny_tokenizer), (1, 96))
+    full = count_prefill_ops(model, ids, DynamicCache(config=config))
+    with criticalkv.compress(model, "snapkv", 0.5):
+        snap = count_prefill_ops(model, ids, DynamicCache(config=config))
+    assert full["prefill_host_reads"] == 0 and full["prefill_dispatched_ops"] > 0
+    assert snap["prefill_dispatched_ops"] > full["prefill_dispatched_ops"]
+    assert snap["prefill_host_reads"] >= 2  # at least one per compressed layer (the kept counts)

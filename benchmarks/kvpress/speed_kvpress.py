@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--warmup-tokens", type=int, default=256, help="prompt length of the warm-up run")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--runs-per-process", type=int, default=1, help="timed runs after the warm-up")
+    parser.add_argument("--count-ops", action="store_true", help="count the operators of one more prefill")
     args = parser.parse_args()
     if "criticalkv" in sys.modules:
         raise SystemExit("speed_kvpress.py must not run in criticalkv's environment")
@@ -41,7 +42,7 @@ def main() -> None:
     import kvpress
     import torch
     import transformers
-    from timed_generation import timed_greedy
+    from timed_generation import count_prefill_ops, timed_greedy
     from transformers import DynamicCache
 
     transformers.utils.logging.disable_progress_bar()
@@ -54,6 +55,7 @@ def main() -> None:
     scope = (lambda: press(model)) if press is not None else contextlib.nullcontext
     timed_greedy(model, ids[:, : args.warmup_tokens], DynamicCache(), 2, scope)
     results = [timed_greedy(model, ids, DynamicCache(), args.decode_steps, scope) for _ in range(args.runs_per_process)]
+    ops = count_prefill_ops(model, ids, DynamicCache(), scope) if args.count_ops else {}
     shared = {
         "system": "kvpress",
         "press": args.press,
@@ -69,7 +71,7 @@ def main() -> None:
             "kvpress": dist_version("kvpress"),
         },
     }
-    print(json.dumps([{**result, **shared, "run_in_process": k} for k, result in enumerate(results)]))
+    print(json.dumps([{**result, **shared, **ops, "run_in_process": k} for k, result in enumerate(results)]))
 
 
 if __name__ == "__main__":

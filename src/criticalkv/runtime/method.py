@@ -138,8 +138,9 @@ class Method:
 
     def _select(self, view: LayerView, plan: _LayerPlan, scores: torch.Tensor, budgets: torch.Tensor) -> Decision:
         h_kv = view.keys.shape[1]
-        keep = self.selector.select(scores, budgets, plan.protected, view)
-        whole = plan.kept_whole
-        keep[whole] = view.valid[whole][:, None, :].expand(-1, h_kv, -1)
-        budgets[whole] = view.lengths[whole][:, None]
+        keep = self.selector.select(scores, budgets, plan.protected, view)  # (b, h_kv, t)
+        whole = plan.kept_whole  # (b,)
+        # torch.where, not keep[whole] = ...: indexing by a mask reads its count back to the host (a GPU sync)
+        keep = torch.where(whole[:, None, None], view.valid[:, None, :].expand(-1, h_kv, -1), keep)
+        budgets = torch.where(whole[:, None], view.lengths[:, None], budgets)  # (b, h_kv)
         return Decision(keep, budgets, whole)
