@@ -211,4 +211,6 @@ def test_prefill_operator_count_sees_compression_and_host_reads(tiny_tokenizer) 
         snap = count_prefill_ops(model, ids, DynamicCache(config=config))
     assert full["prefill_host_reads"] == 0 and full["prefill_dispatched_ops"] > 0
     assert snap["prefill_dispatched_ops"] > full["prefill_dispatched_ops"]
-    assert snap["prefill_host_reads"] >= 2  # at least one per compressed layer (the kept counts)
+    # per compressed layer two (the top-k width, the kept counts), and per forward three (the budget's check, the
+    # plan's rows kept whole, the padding): facts of the mask are computed once per forward, not per layer
+    assert 2 <= snap["prefill_host_reads"] <= 2 * config.num_hidden_layers + 3

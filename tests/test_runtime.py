@@ -674,3 +674,33 @@ def test_uniform_decode_runs_on_joined_layers_and_equals_the_flat_path(monkeypat
         runs[path] = (torch.stack(out.logits), [layer.keys is None for layer in layers])
     assert all(runs["uniform"][1]) and not any(runs["padded"][1])
     torch.testing.assert_close(runs["uniform"][0], runs["padded"][0], rtol=1e-5, atol=1e-5)
+
+
+def test_layers_of_one_forward_share_its_padding_facts_and_the_next_forward_starts_afresh(capture_decisions):
+    """The facts every layer of a forward shares (valid positions, lengths, a method's plan) belong to that forward:
+    a second prefill with other padding and another length, in the same block, decides as it would alone."""
+    model = _model("llama")
+    rows = [_ids(40, seed=3)[0], _ids(25, seed=4)[0]]
+    ids, mask = _left_padded(rows)
+    views = []
+    real_decide = Method.decide  # the fixture's wrapper: also keep the views
+
+    def keep_view(self, view, *args, **kwargs):
+        views.append(view)
+        return real_decide(self, view, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch, criticalkv.compress(model, "snapkv", budget=0.4, window=8):
+        patch.setattr(Method, "decide", keep_view)
+        model(input_ids=ids, attention_mask=mask, use_cache=True)  # two rows, left padding
+        model(input_ids=rows[1][None], use_cache=True)  # a new cache: one row, no padding, another length
+    assert views[0].prefill is views[1].prefill and views[0].valid is views[1].valid  # one forward, one mask
+    assert views[2].prefill is not views[0].prefill and views[2].valid.shape == (1, 25)
+    assert views[0].lengths.tolist() == [40, 25] and views[2].lengths.tolist() == [25]
+    second = capture_decisions[2:]
+    capture_decisions.clear()
+    with criticalkv.compress(model, "snapkv", budget=0.4, window=8):
+        model(input_ids=rows[1][None], use_cache=True)
+    assert len(second) == len(capture_decisions) == 2
+    for (layer, valid, decision), (layer_alone, valid_alone, alone) in zip(second, capture_decisions, strict=True):
+        assert layer == layer_alone and torch.equal(valid, valid_alone)
+        assert torch.equal(decision.keep, alone.keep) and torch.equal(decision.budgets, alone.budgets)

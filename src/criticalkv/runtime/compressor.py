@@ -30,6 +30,17 @@ from criticalkv.runtime.method import Method
 from criticalkv.scorers import LayerView
 
 
+@dataclass
+class PrefillFacts:
+    """The padding mask of one forward's layers and what is derived from it, shared by the layers that see the same
+    mask. The runtime starts a new one with every forward; the mask is known by ``id`` only (held, an 8k-token
+    mask would outlive its forward), which is unique while the forward runs."""
+
+    mask_id: int | None = None
+    valid: torch.Tensor | None = None  # (b, t) bool
+    shared: dict = field(default_factory=dict)  # LayerView.prefill
+
+
 def prefill_view(
     module: nn.Module,
     query: torch.Tensor,
@@ -37,14 +48,26 @@ def prefill_view(
     values: torch.Tensor,
     attention_mask: torch.Tensor | None,
     scaling: float,
+    facts: PrefillFacts | None = None,
 ) -> LayerView:
-    """The LayerView of a layer's prefill, as its attention function receives it."""
+    """The LayerView of a layer's prefill, as its attention function receives it.
+
+    With ``facts`` (one per forward), layers that see the same mask share its valid positions and the facts
+    derived from them (``LayerView.prefill``); a layer with another mask, length or device replaces them.
+    """
     b, _, t, _ = keys.shape
+    mask_id = None if attention_mask is None else id(attention_mask)
+    known = facts is not None and facts.valid is not None and facts.mask_id == mask_id
+    if known and facts.valid.shape == (b, t) and facts.valid.device == keys.device:
+        return LayerView(module, query, keys, values, facts.valid, scaling, prefill=facts.shared)
     if attention_mask is None:
         valid = torch.ones(b, t, dtype=torch.bool, device=keys.device)
     else:  # the last query sees every real key; padding columns are masked in its row
         valid = attention.as_bool_mask(attention_mask)[:, 0, -1, :t]
-    return LayerView(module, query, keys, values, valid, scaling)
+    if facts is None:
+        return LayerView(module, query, keys, values, valid, scaling)
+    facts.mask_id, facts.valid, facts.shared = mask_id, valid, {}
+    return LayerView(module, query, keys, values, valid, scaling, prefill=facts.shared)
 
 
 @dataclass
@@ -114,6 +137,7 @@ class Compressor:
         self.attention_probe: Callable[..., None] | None = None
         self._state_cache: CompressedCache | None = None  # the cache whose prefill ``_state`` belongs to
         self._state: dict = {}
+        self.facts = PrefillFacts()  # of the forward running now: a new one with every forward
 
     # --- install / uninstall ---------------------------------------------------------------------------------
     @property
@@ -157,6 +181,8 @@ class Compressor:
         return cache
 
     def _provide_cache(self, module: nn.Module, args: tuple, kwargs: dict):
+        if not self._finishing:  # a scorer's own forwards while a deferred prefill finishes keep that prefill's facts
+            self.facts = PrefillFacts()
         if kwargs.get("use_cache") is False:
             self.active_cache = None  # this forward uses no cache: no layer of an earlier one applies
             return None
@@ -263,7 +289,7 @@ class Compressor:
         layer: CompressedLayer,
     ) -> None:
         start = time.process_time()
-        view = prefill_view(module, query, keys, values, attention_mask, scaling)
+        view = prefill_view(module, query, keys, values, attention_mask, scaling, self.facts)
         if self.method.deferred:
             self.pending.append(self.defer_layer(view, layer, self.method))
         else:

@@ -27,11 +27,14 @@ class Decision:
 
 @dataclass
 class _LayerPlan:
-    """The per-layer facts a decision starts from."""
+    """The facts a decision starts from: they depend on the padding mask, the budget and the scorer, not on the
+    layer, so one plan serves every layer of a forward (read-only)."""
 
     row_budgets: torch.Tensor  # (b,) long
     protected: torch.Tensor  # (b, t) bool
     kept_whole: torch.Tensor  # (b,) bool
+    all_whole: bool  # every row kept whole: nothing to decide
+    any_whole: bool  # some row kept whole: its mask and budgets are replaced after selection
 
 
 @dataclass
@@ -99,7 +102,7 @@ class Method:
                 "use it through criticalkv.compress, a ContextSession or a SharedPrefill"
             )
         plans = [self._plan(view, budget) for view in views]
-        if bool(plans[0].kept_whole.all()):  # lengths, budget and protected positions are shared by every layer
+        if plans[0].all_whole:  # lengths, budget and protected positions are shared by every layer
             return [self._whole(view, plan) for view, plan in zip(views, plans, strict=True)]
         if scores is None:
             scores = [self.scores_of(view) for view in views]
@@ -125,11 +128,15 @@ class Method:
         return [self._select(view, plan, s, b) for view, plan, s, b in zip(views, plans, scores, budgets, strict=True)]
 
     def _plan(self, view: LayerView, budget: Budget) -> _LayerPlan:
-        lengths = view.lengths  # (b,)
-        row_budgets = budget.entries_for(lengths)  # (b,)
-        protected = self.scorer.protected(view)  # (b, t)
-        kept_whole = (row_budgets >= lengths) | (protected.sum(-1) >= lengths)
-        return _LayerPlan(row_budgets, protected, kept_whole)
+        def plan() -> _LayerPlan:
+            lengths = view.lengths  # (b,)
+            row_budgets = budget.entries_for(lengths)  # (b,)
+            protected = self.scorer.protected(view)  # (b, t)
+            kept_whole = (row_budgets >= lengths) | (protected.sum(-1) >= lengths)
+            whole_rows = int(kept_whole.sum())  # one host read for both flags
+            return _LayerPlan(row_budgets, protected, kept_whole, whole_rows == len(kept_whole), whole_rows > 0)
+
+        return view.remember_for_prefill(("plan", repr(self.scorer), repr(budget)), plan)
 
     @staticmethod
     def _whole(view: LayerView, plan: _LayerPlan) -> Decision:
@@ -140,7 +147,7 @@ class Method:
         h_kv = view.keys.shape[1]
         keep = self.selector.select(scores, budgets, plan.protected, view)  # (b, h_kv, t)
         whole = plan.kept_whole  # (b,)
-        # torch.where, not keep[whole] = ...: indexing by a mask reads its count back to the host (a GPU sync)
-        keep = torch.where(whole[:, None, None], view.valid[:, None, :].expand(-1, h_kv, -1), keep)
-        budgets = torch.where(whole[:, None], view.lengths[:, None], budgets)  # (b, h_kv)
+        if plan.any_whole:  # torch.where, not keep[whole] = ...: indexing by a mask is a host read (a GPU sync)
+            keep = torch.where(whole[:, None, None], view.valid[:, None, :].expand(-1, h_kv, -1), keep)
+            budgets = torch.where(whole[:, None], view.lengths[:, None], budgets)  # (b, h_kv)
         return Decision(keep, budgets, whole)

@@ -105,7 +105,7 @@ class SharedPrefill(Compressor):
         scaling: float,
         layer: CompressedLayer,
     ) -> None:
-        view = prefill_view(module, query, keys, values, attention_mask, scaling)
+        view = prefill_view(module, query, keys, values, attention_mask, scaling, self.facts)
         for target in self.targets:
             own = CompressedLayer()
             own.update(keys, values)  # shares the prompt's tensors until compress() gathers what it keeps

@@ -27,12 +27,22 @@ class LayerView:
     valid: torch.Tensor  # (b, t) bool; False on padding
     scaling: float  # softmax scale the layer uses (1/sqrt(d) for most models)
     memo: dict = field(default_factory=dict, repr=False)  # derived tensors shared by methods deciding on this view
+    # Facts of the padding mask shared by every layer of one forward (lengths, a method's plan): the runtime hands
+    # the views of one forward the same dict when their masks are the same (``runtime.compressor.prefill_view``).
+    prefill: dict = field(default_factory=dict, repr=False)
 
     def remember(self, key: object, compute):
         """``compute()`` once per view and key: several methods deciding on one prefill share scores and norms."""
         if key not in self.memo:
             self.memo[key] = compute()
         return self.memo[key]
+
+    def remember_for_prefill(self, key: object, compute):
+        """``compute()`` once per forward and key, for what depends on the padding mask alone (not on the layer):
+        on a GPU every layer would otherwise launch the same operators and wait for the same host reads."""
+        if key not in self.prefill:
+            self.prefill[key] = compute()
+        return self.prefill[key]
 
     @property
     def groups(self) -> int:
@@ -42,7 +52,12 @@ class LayerView:
     @property
     def lengths(self) -> torch.Tensor:
         """Real (non-padding) length of each row: (b,) long."""
-        return self.valid.sum(-1)
+        return self.remember_for_prefill("lengths", lambda: self.valid.sum(-1))
+
+    @property
+    def padded(self) -> bool:
+        """Whether any row holds padding (a host read, once per forward)."""
+        return self.remember_for_prefill("padded", lambda: not bool(self.valid.all()))
 
     @property
     def o_proj_weight(self) -> torch.Tensor:
@@ -82,9 +97,11 @@ def window_attention(view: LayerView, window: int) -> torch.Tensor:
     w = min(window, t)
     q = view.query[:, :, t - w :, :].float().reshape(b, h_kv, g * w, d) * view.scaling  # (b, h_kv, G*w, d)
     logits = torch.matmul(q, view.keys.float().transpose(-1, -2)).view(b, h_kv, g, w, t)  # (b, h_kv, G, w, t)
-    # causal: only the window's own columns can lie ahead of a window query
-    ahead = torch.ones(w, w, dtype=torch.bool, device=q.device).triu_(diagonal=1)  # (w, w): key after query
+    # causal: only the window's own columns can lie ahead of a window query; (w, w): key after query
+    ahead = view.remember_for_prefill(
+        ("ahead", w), lambda: torch.ones(w, w, dtype=torch.bool, device=q.device).triu_(1)
+    )
     logits[..., t - w :].masked_fill_(ahead, float("-inf"))
-    if not bool(view.valid.all()):
+    if view.padded:
         logits.masked_fill_(~view.valid[:, None, None, None, :], float("-inf"))
     return torch.softmax(logits, dim=-1)
