@@ -704,3 +704,30 @@ def test_layers_of_one_forward_share_its_padding_facts_and_the_next_forward_star
     for (layer, valid, decision), (layer_alone, valid_alone, alone) in zip(second, capture_decisions, strict=True):
         assert layer == layer_alone and torch.equal(valid, valid_alone)
         assert torch.equal(decision.keep, alone.keep) and torch.equal(decision.budgets, alone.budgets)
+
+
+def test_prefill_facts_follow_the_mask_object_not_its_address():
+    """Layers given the same mask share its facts; a mask freed since is another mask, even at the same address."""
+    import gc
+
+    from criticalkv.runtime.compressor import PrefillFacts, prefill_view
+
+    module = torch.nn.Linear(1, 1)
+    q = k = v = torch.zeros(2, 2, 6, 4)
+    facts = PrefillFacts()
+
+    def mask_with_padding(pad: int) -> torch.Tensor:  # (b, 1, t, t) bool, row 1 left-padded by ``pad``
+        mask = torch.ones(6, 6, dtype=torch.bool).tril().expand(2, 1, 6, 6).clone()
+        mask[1, :, :, :pad] = False
+        return mask
+
+    first = mask_with_padding(2)
+    a, b = (prefill_view(module, q, k, v, first, 1.0, facts) for _ in range(2))
+    assert a.valid is b.valid and a.prefill is b.prefill and a.lengths.tolist() == [6, 4]
+    del first, a, b
+    gc.collect()
+    c = prefill_view(module, q, k, v, mask_with_padding(3), 1.0, facts)  # may reuse the freed mask's address
+    assert c.lengths.tolist() == [6, 3]
+    d = prefill_view(module, q, k, v, None, 1.0, facts)
+    assert d.lengths.tolist() == [6, 6] and d.prefill is not c.prefill
+    assert prefill_view(module, q, k, v, None, 1.0, facts).prefill is d.prefill

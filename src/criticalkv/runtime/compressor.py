@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,12 +34,20 @@ from criticalkv.scorers import LayerView
 @dataclass
 class PrefillFacts:
     """The padding mask of one forward's layers and what is derived from it, shared by the layers that see the same
-    mask. The runtime starts a new one with every forward; the mask is known by ``id`` only (held, an 8k-token
-    mask would outlive its forward), which is unique while the forward runs."""
+    mask. The runtime starts a new one with every forward. The mask is held by a weak reference (held, an 8k-token
+    mask would outlive its forward): a mask freed since, whatever tensor now has its address, is another mask."""
 
-    mask_id: int | None = None
+    mask: weakref.ref | None = None  # None: no mask (every position valid)
     valid: torch.Tensor | None = None  # (b, t) bool
     shared: dict = field(default_factory=dict)  # LayerView.prefill
+
+    def knows(self, attention_mask: torch.Tensor | None) -> bool:
+        """Whether ``attention_mask`` is the mask these facts were derived from."""
+        if self.valid is None:
+            return False
+        if attention_mask is None or self.mask is None:
+            return attention_mask is None and self.mask is None
+        return self.mask() is attention_mask
 
 
 def prefill_view(
@@ -56,9 +65,12 @@ def prefill_view(
     derived from them (``LayerView.prefill``); a layer with another mask, length or device replaces them.
     """
     b, _, t, _ = keys.shape
-    mask_id = None if attention_mask is None else id(attention_mask)
-    known = facts is not None and facts.valid is not None and facts.mask_id == mask_id
-    if known and facts.valid.shape == (b, t) and facts.valid.device == keys.device:
+    if (
+        facts is not None
+        and facts.knows(attention_mask)
+        and facts.valid.shape == (b, t)
+        and facts.valid.device == keys.device
+    ):
         return LayerView(module, query, keys, values, facts.valid, scaling, prefill=facts.shared)
     if attention_mask is None:
         valid = torch.ones(b, t, dtype=torch.bool, device=keys.device)
@@ -66,7 +78,8 @@ def prefill_view(
         valid = attention.as_bool_mask(attention_mask)[:, 0, -1, :t]
     if facts is None:
         return LayerView(module, query, keys, values, valid, scaling)
-    facts.mask_id, facts.valid, facts.shared = mask_id, valid, {}
+    facts.mask = None if attention_mask is None else weakref.ref(attention_mask)
+    facts.valid, facts.shared = valid, {}
     return LayerView(module, query, keys, values, valid, scaling, prefill=facts.shared)
 
 
