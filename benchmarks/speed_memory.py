@@ -93,7 +93,7 @@ def measure_ours(args: argparse.Namespace) -> list[dict]:
     ids = torch.tensor(json.loads(args.ids.read_text())["input_ids"], dtype=torch.long, device=device)
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
     with criticalkv.compress(model, args.single, args.budget) as compressor:
-        timed_greedy(model, ids[:, : args.warmup_tokens], DynamicCache(config=model.config), 2)
+        timed_greedy(model, ids[:, : args.warmup_tokens], DynamicCache(config=model.config), args.warmup_steps)
         results = [
             timed_greedy(model, ids, DynamicCache(config=model.config), args.decode_steps)
             for _ in range(args.runs_per_process)
@@ -142,15 +142,15 @@ def run_process(
 ) -> list[dict]:
     """``--runs-per-process`` measurements in one fresh process of ``system``."""
     shared = ["--threads", str(args.threads), "--decode-steps", str(args.decode_steps), "--device", args.device]
+    shared += ["--warmup-tokens", str(args.warmup_tokens), "--warmup-steps", str(args.warmup_steps)]
     shared += ["--runs-per-process", str(args.runs_per_process)] + (["--count-ops"] if args.count_ops else [])
     if system == "ours":
         command = [sys.executable, __file__, "--single", method, "--ids", str(ids_file), "--model", args.model]
-        command += ["--budget", args.budget, "--dtype", args.dtype, "--warmup-tokens", str(args.warmup_tokens)]
+        command += ["--budget", args.budget, "--dtype", args.dtype]
     else:
         command = [str(VENV / "bin/python"), str(HERE / "kvpress/speed_kvpress.py"), "--model", str(folder)]
         command += ["--input", str(ids_file), "--press", PRESS_OF[method], "--dtype", args.dtype]
         command += ["--compression-ratio", repr(kvpress_ratio(args.budget, tokens) if method != "full" else 0.0)]
-        command += ["--warmup-tokens", str(args.warmup_tokens)]
     results = run_child(command + shared, args.allocator)
     for result in results:
         result.update(method=method, allocator=args.allocator)
@@ -257,6 +257,12 @@ def main() -> None:
     )
     parser.add_argument("--decode-steps", type=int, default=32, help="decode steps timed per run (median)")
     parser.add_argument("--warmup-tokens", type=int, default=256, help="prompt length of each process's warm-up")
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=2,
+        help="decode steps of the warm-up (on a GPU, 32: the first timed run otherwise meets shapes it did not)",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")

@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--press", required=True, choices=PRESSES)
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--warmup-tokens", type=int, default=256, help="prompt length of the warm-up run")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="decode steps of the warm-up run")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--runs-per-process", type=int, default=1, help="timed runs after the warm-up")
     parser.add_argument("--count-ops", action="store_true", help="count the operators of one more prefill")
@@ -53,7 +54,7 @@ def main() -> None:
     model, _, patched = load_model(args, device)
     press = build_press(args, kvpress)
     scope = (lambda: press(model)) if press is not None else contextlib.nullcontext
-    timed_greedy(model, ids[:, : args.warmup_tokens], DynamicCache(), 2, scope)
+    timed_greedy(model, ids[:, : args.warmup_tokens], DynamicCache(), args.warmup_steps, scope)
     results = [timed_greedy(model, ids, DynamicCache(), args.decode_steps, scope) for _ in range(args.runs_per_process)]
     ops = count_prefill_ops(model, ids, DynamicCache(), scope) if args.count_ops else {}
     shared = {
