@@ -131,7 +131,7 @@ def count_prefill_ops(
     prefill_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> dict[str, int]:
     """The operators one prefill of ``input_ids`` dispatches inside ``prefill_scope()``, and how many the host
-    waits for (``HOST_READS``). Run it apart from timed runs: counting slows every operator."""
+    waits for (``_reads_host``). Run it apart from timed runs: counting slows every operator."""
     counter = _OperatorCount()
     with prefill_scope(), counter:
         model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{_cache_argument(model): cache})

@@ -133,17 +133,11 @@ def test_allocator_setting_reaches_the_measurement_process(monkeypatch: pytest.M
 
 def _tiny_shape_folder(folder: Path, tokenizer) -> Path:
     """A folder of a 2-layer Llama's config.json and a tokenizer, as a shape to draw weights for."""
+    from test_sweep import _tiny_model
     from transformers import LlamaConfig
 
     folder.mkdir()
-    LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(tokenizer),
-    ).save_pretrained(folder)
+    _tiny_model(LlamaConfig, tokenizer).config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     (folder / "criticalkv-preset.json").write_text("{}")  # a converted preset's marker: must not be copied
     return folder
@@ -190,21 +184,15 @@ def test_one_process_times_several_runs_of_the_same_generation(tmp_path: Path, t
 def test_prefill_operator_count_sees_compression_and_host_reads(tiny_tokenizer) -> None:
     """The full cache's prefill reads nothing back to the host; compression adds operators and host reads."""
     import torch
+    from test_sweep import _tiny_model
     from timed_generation import count_prefill_ops
-    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+    from transformers import DynamicCache, LlamaConfig
 
     import criticalkv
 
-    config = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(tiny_tokenizer),
-    )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = _tiny_model(LlamaConfig, tiny_tokenizer)
+    config = model.config
     ids = torch.randint(2, len(tiny_tokenizer), (1, 96))
     full = count_prefill_ops(model, ids, DynamicCache(config=config))
     with criticalkv.compress(model, "snapkv", 0.5):

@@ -41,9 +41,10 @@ class PrefillFacts:
     valid: torch.Tensor | None = None  # (b, t) bool
     shared: dict = field(default_factory=dict)  # LayerView.prefill
 
-    def knows(self, attention_mask: torch.Tensor | None) -> bool:
-        """Whether ``attention_mask`` is the mask these facts were derived from."""
-        if self.valid is None:
+    def serve(self, attention_mask: torch.Tensor | None, keys: torch.Tensor) -> bool:
+        """Whether these facts hold for a layer given ``attention_mask`` and keys (b, h_kv, t, d): the same mask,
+        and valid positions of the keys' batch, length and device."""
+        if self.valid is None or self.valid.shape != (keys.shape[0], keys.shape[2]) or self.valid.device != keys.device:
             return False
         if attention_mask is None or self.mask is None:
             return attention_mask is None and self.mask is None
@@ -65,12 +66,7 @@ def prefill_view(
     derived from them (``LayerView.prefill``); a layer with another mask, length or device replaces them.
     """
     b, _, t, _ = keys.shape
-    if (
-        facts is not None
-        and facts.knows(attention_mask)
-        and facts.valid.shape == (b, t)
-        and facts.valid.device == keys.device
-    ):
+    if facts is not None and facts.serve(attention_mask, keys):
         return LayerView(module, query, keys, values, facts.valid, scaling, prefill=facts.shared)
     if attention_mask is None:
         valid = torch.ones(b, t, dtype=torch.bool, device=keys.device)

@@ -33,8 +33,17 @@ class _LayerPlan:
     row_budgets: torch.Tensor  # (b,) long
     protected: torch.Tensor  # (b, t) bool
     kept_whole: torch.Tensor  # (b,) bool
-    all_whole: bool  # every row kept whole: nothing to decide
-    any_whole: bool  # some row kept whole: its mask and budgets are replaced after selection
+    whole_rows: int  # rows kept whole, read once (a host read)
+
+    @property
+    def all_whole(self) -> bool:
+        """Every row kept whole: nothing to decide."""
+        return self.whole_rows == len(self.kept_whole)
+
+    @property
+    def any_whole(self) -> bool:
+        """Some row kept whole: its mask and budgets are replaced after selection."""
+        return self.whole_rows > 0
 
 
 @dataclass
@@ -133,8 +142,7 @@ class Method:
             row_budgets = budget.entries_for(lengths)  # (b,)
             protected = self.scorer.protected(view)  # (b, t)
             kept_whole = (row_budgets >= lengths) | (protected.sum(-1) >= lengths)
-            whole_rows = int(kept_whole.sum())  # one host read for both flags
-            return _LayerPlan(row_budgets, protected, kept_whole, whole_rows == len(kept_whole), whole_rows > 0)
+            return _LayerPlan(row_budgets, protected, kept_whole, int(kept_whole.sum()))
 
         return view.remember_for_prefill(("plan", repr(self.scorer), repr(budget)), plan)
 

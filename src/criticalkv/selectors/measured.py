@@ -76,7 +76,8 @@ class WindowPerturbation:
         w = min(window, t)
         attention = shared_window_attention(view, w)  # (b, h_kv, G, w, t); NaN rows for padding queries
         query_valid = view.valid[:, t - w :]  # (b, w)
-        if not bool(query_valid.all()):
+        # a fact of the padding mask: one host read per forward, not per layer
+        if not view.remember_for_prefill(("window queries valid", w), lambda: bool(query_valid.all())):
             attention = attention.masked_fill(~query_valid[:, None, None, :, None], 0.0)
         weight = view.o_proj_weight.detach()  # (hidden, h_q * d)
         # contiguous: the many small products with W_O in ``improve`` run about 30% faster than on a transposed view
