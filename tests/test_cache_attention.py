@@ -154,6 +154,18 @@ def test_dense_prefill_is_stored_as_is():
     assert layer.get_mask_sizes(1) == (13, 0)
 
 
+def test_dense_prefill_is_stored_contiguous_like_dynamic_cache():
+    # the model's projections arrive as (b, t, h_kv, d) seen through a transpose; attention reads the stored
+    # prompt, and SDPA's CPU kernel is slower over that layout than over a contiguous one
+    b, h, t, d = 2, 3, 12, 4
+    k = torch.randn(b, t, h, d).transpose(1, 2)
+    v = torch.randn(b, t, h, d).transpose(1, 2)
+    assert not k.is_contiguous()
+    out_k, out_v = CompressedLayer().update(k, v, 0)
+    assert out_k.is_contiguous() and out_v.is_contiguous()
+    assert torch.equal(out_k, k) and torch.equal(out_v, v)
+
+
 def test_compress_update_crop_cycle():
     b, h, t, d = 2, 3, 12, 4
     keep = _keep_mask(b, h, t)
