@@ -327,9 +327,10 @@ class PerturbationSelector:
     anchor
         Share of each head's budget (protected entries included) filled by the best scores and never swapped out.
     search
-        The norm the swaps are judged on: ``"l1"`` (the perturbation L itself) or ``"l2"`` (each query's L1 norm
-        replaced by its L2 norm, through the d x d Gram matrix of W_O: per round O(log4(pool) G w d^2) instead of
-        O(log4(pool) G w d H)). The final set is checked against the start on L either way.
+        The norm the swaps are judged on: ``"l2"`` (default: each query's L1 norm replaced by its L2 norm, through
+        the d x d Gram matrix of W_O: per round O(log4(pool) G w d^2) instead of O(log4(pool) G w d H)) or ``"l1"``
+        (the perturbation L itself). The final set is checked against the start on L either way. On the prompts of
+        docs/selectors.md "l2" lowers L on as many heads as "l1" or more, by as much, and its rounds cost 30-47% less.
     candidates_by
         How the ``candidates`` on either side are chosen: ``"gain"`` (the first-order change of the search loss,
         over every free entry) or ``"score"`` (the scorer's ranking: the excluded entries just below the kept set's
@@ -346,7 +347,7 @@ class PerturbationSelector:
     candidates: int = 256
     max_weight: float = 0.03
     anchor: float = 0.5
-    search: str = "l1"
+    search: str = "l2"
     candidates_by: str = "gain"
     alpha: float = 0.5
     eps: float = 1e-4
