@@ -143,7 +143,7 @@ def test_attention_over_compressed_layer_matches_naive(groups, q, logical):
     assert (out.double() - want).abs().max().item() <= 1e-5
 
 
-def test_dense_prefill_is_stored_as_is():
+def test_dense_prefill_is_stored_whole():
     layer = CompressedLayer()
     k, v = _prompt()
     out_k, out_v = layer.update(k, v, 0)

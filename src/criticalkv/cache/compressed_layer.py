@@ -130,8 +130,8 @@ class CompressedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             # the prompt, contiguous in (b, h_kv, t, d) as transformers' DynamicCache stores it: the projections
-            # arrive as a (b, t, h_kv, d) layout seen through a transpose, and SDPA's CPU kernel reads a token's
-            # row 10% slower from that layout at 8k tokens (a no-op when already contiguous)
+            # arrive as a (b, t, h_kv, d) layout seen through a transpose, over which SDPA's CPU kernel ran 10%
+            # slower at 8k tokens (docs/benchmarks.md); a no-op when already contiguous
             self.keys, self.values = key_states.contiguous(), value_states.contiguous()
             self.tail = self.seen = q
             self.fresh = True
