@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from criticalkv.distributed.heads import output_projection
+
+T = TypeVar("T")
+
+
+def _once(store: dict, key: object, compute: Callable[[], T]) -> T:
+    """``store[key]``, computed by ``compute()`` the first time it is asked for."""
+    if key not in store:
+        store[key] = compute()
+    return store[key]
 
 
 @dataclass
@@ -31,18 +41,14 @@ class LayerView:
     # the views of one forward the same dict when their masks are the same (``runtime.compressor.prefill_view``).
     prefill: dict = field(default_factory=dict, repr=False)
 
-    def remember(self, key: object, compute):
+    def remember(self, key: object, compute: Callable[[], T]) -> T:
         """``compute()`` once per view and key: several methods deciding on one prefill share scores and norms."""
-        if key not in self.memo:
-            self.memo[key] = compute()
-        return self.memo[key]
+        return _once(self.memo, key, compute)
 
-    def remember_for_prefill(self, key: object, compute):
+    def remember_for_prefill(self, key: object, compute: Callable[[], T]) -> T:
         """``compute()`` once per forward and key, for what depends on the padding mask alone (not on the layer):
         on a GPU every layer would otherwise launch the same operators and wait for the same host reads."""
-        if key not in self.prefill:
-            self.prefill[key] = compute()
-        return self.prefill[key]
+        return _once(self.prefill, key, compute)
 
     @property
     def groups(self) -> int:
