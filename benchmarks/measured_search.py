@@ -22,7 +22,7 @@ import torch
 
 from criticalkv.analysis.capture import capture
 from criticalkv.budget import Budget
-from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts
+from criticalkv.eval.needle import build_needle_sample, encode_prompt
 from criticalkv.methods import build_method
 from criticalkv.models.presets import load_model
 from criticalkv.selectors.measured import WindowPerturbation
@@ -44,8 +44,7 @@ def main() -> None:
 
     model, tokenizer = load_model(args.model)
     sample = build_needle_sample(tokenizer, args.tokens, seed=0)
-    prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
-    prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
+    prefix_ids, suffix_ids = encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
     ids = torch.tensor([prefix_ids + suffix_ids])
     layers = capture(model, ids, generate=0).analysed
     budget = Budget(args.budget)

@@ -26,7 +26,7 @@ from timed_generation import child_environment, peak_memory_above, reset_peak_me
 
 from criticalkv.cache import CompressedLayer
 from criticalkv.cache.fused_attention import ATTENTION_ENV_VAR, PATHS
-from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts
+from criticalkv.eval.needle import build_needle_sample, encode_prompt
 from criticalkv.models.families import head_dim
 from criticalkv.models.presets import load_model
 from criticalkv.runtime.session import ContextSession
@@ -38,8 +38,7 @@ def measure(model_name: str, method: str, budget: str, tokens: int, decode_token
     """One run, in this process: prefill, KV accounting, greedy decode timing, peak RSS."""
     model, tokenizer = load_model(model_name, dtype=dtype)
     sample = build_needle_sample(tokenizer, tokens, seed=0)
-    prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
-    prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
+    prefix_ids, suffix_ids = encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
     ids = torch.tensor([prefix_ids + suffix_ids])
     session = ContextSession(model, method, budget)
     start_memory = reset_peak_memory(CPU)  # loading the weights peaks higher than a prefill: measure from here on

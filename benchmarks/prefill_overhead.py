@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts
+from criticalkv.eval.needle import build_needle_sample, encode_prompt
 from criticalkv.models.presets import load_model
 from criticalkv.runtime.session import ContextSession
 
@@ -48,8 +48,7 @@ def main() -> None:
 
     model, tokenizer = load_model(args.model, dtype=args.dtype)
     sample = build_needle_sample(tokenizer, args.tokens, seed=0)
-    prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
-    prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
+    prefix_ids, suffix_ids = encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
     ids = torch.tensor([prefix_ids + suffix_ids])
     methods = [m.strip() for m in args.methods.split(",")]
     sessions = {}

@@ -33,7 +33,7 @@ from speed_memory import PRESS_OF, VENV, git_state, kvpress_ratio, machine
 from transformers import AutoConfig, AutoTokenizer
 
 from criticalkv.eval import ruler
-from criticalkv.eval.needle import chat_prompt_parts, encode_prompt_parts
+from criticalkv.eval.needle import encode_prompt
 from criticalkv.methods import build_method
 from criticalkv.models.presets import PRESETS, load_model, resolve_model_folder
 from criticalkv.runtime.shared_prefill import SharedPrefill
@@ -66,8 +66,7 @@ def prepared_items(args: argparse.Namespace, folder: Path, tokenizer) -> tuple[l
     samples = round_robin_samples(tokenizer, args.samples, args.length, args.seed, max_length)
     items = []
     for sample in samples:
-        prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
-        context_ids, question_ids = encode_prompt_parts(tokenizer, prefix, suffix)
+        context_ids, question_ids = encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
         cap = ruler.TOKENS_TO_GENERATE[sample.task]
         items.append(
             {

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts
+from criticalkv.eval.needle import build_needle_sample, encode_prompt
 from criticalkv.models.presets import load_model
 from criticalkv.runtime.session import ContextSession
 from criticalkv.runtime.shared_prefill import SharedPrefill
@@ -35,8 +35,7 @@ def main() -> None:
 
     model, tokenizer = load_model(args.model)
     sample = build_needle_sample(tokenizer, args.tokens, seed=0)
-    prefix, _ = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
-    ids = torch.tensor([encode_prompt_parts(tokenizer, prefix, "")[0]])
+    ids = torch.tensor([encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)[0]])  # context
     methods = [m.strip() for m in args.methods.split(",")]
     budgets = [b.strip() for b in args.budgets.split(",")]
     pairs = [(f"{m}@{b}", m, b) for m in methods for b in budgets]

@@ -56,12 +56,11 @@ OPTIONAL_FIGURES = ("peak_cuda_above_start_bytes", "prefill_dispatched_ops", "pr
 
 def prompt_ids(tokenizer, length: int, seed: int = 0) -> list[int]:
     """A chat-templated needle-in-a-haystack prompt of about ``length`` tokens, template included."""
-    from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts
+    from criticalkv.eval.needle import build_needle_sample, encode_prompt
 
     def ids_for(context_tokens: int) -> list[int]:
         sample = build_needle_sample(tokenizer, context_tokens, seed=seed)
-        prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
-        prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
+        prefix_ids, suffix_ids = encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
         return prefix_ids + suffix_ids
 
     first = ids_for(length)

@@ -116,7 +116,7 @@ def _adakv_reference(scores, budgets, valid, protected, safeguard) -> torch.Tens
 # AdaKV
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 @given(
     h=st.integers(1, 4),
     t=st.integers(6, 40),

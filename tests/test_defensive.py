@@ -329,7 +329,7 @@ def _run_bounded(method, views, budget):
     return keeps, held
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, suppress_health_check=[HealthCheck.too_slow])
 @given(
     layers=st.integers(1, 5),
     h=st.integers(1, 3),

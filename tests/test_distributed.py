@@ -226,7 +226,7 @@ def _cap_reference(budgets, scores, valid, protected, ranks, max_imbalance):
     return out
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),
     rows=st.integers(1, 2),

@@ -182,7 +182,7 @@ def test_uniform_width_follows_the_counts():
     assert layer.uniform_width() == 5
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(
     b=st.integers(1, 3),
     h_kv=st.integers(1, 3),

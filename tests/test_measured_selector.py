@@ -162,7 +162,7 @@ def test_gain_is_the_first_order_decrease(search):
 # the swap search
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lengths=st.lists(st.integers(min_value=1, max_value=24), min_size=1, max_size=3),
     h_kv=st.integers(1, 2),

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 import criticalkv
 from criticalkv.analysis.capture import attention_modules, capture
-from criticalkv.analysis.command import parse_pairs, perturbation
+from criticalkv.analysis.command import TEXT_QUESTION, essay_window_prompts, parse_pairs, perturbation, window_prompts
 from criticalkv.analysis.exhaustive import (
     exhaustive_check,
     optimal_subset,
@@ -174,7 +174,7 @@ def test_selector_value_norm_is_the_group_mean_of_the_head_norms():
     torch.testing.assert_close(projected_value_norm(values, weight), per_head.view(2, 3, 2, 11).mean(2))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(
     seed=st.integers(0, 10_000),
     h_kv=st.integers(1, 2),
@@ -412,6 +412,37 @@ def test_command_end_to_end(tiny_folder, tmp_path):
     assert {(p["a"], p["b"]) for p in redone["summary"]["pairs"]} == {("streaming", "critical-snapkv")}
     assert redone["results"] == data["results"]
     assert (out / "hist_streaming_vs_critical-snapkv.png").exists()
+
+
+def test_window_prompts_are_consecutive_windows_of_the_text(tiny_tokenizer):
+    text = " ".join(f"word{i}" for i in range(400))
+    tokens = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+    prompts = window_prompts(tiny_tokenizer, text, "words", n=3, length=50)
+    assert [p.info["start_token"] for p in prompts] == [0, 50, 100]
+    for p in prompts:
+        window = tiny_tokenizer.decode(tokens[p.info["start_token"] : p.info["start_token"] + 50])
+        assert tiny_tokenizer.decode(p.context_ids).startswith(window)  # then the plain-text separator
+        assert tiny_tokenizer.decode(p.question_ids).strip() == TEXT_QUESTION
+    assert len({tuple(p.context_ids) for p in prompts}) == 3
+    short = window_prompts(tiny_tokenizer, "a b c d e", "short", n=2, length=4)  # cycles through a short text
+    assert [p.info["start_token"] for p in short] == [
+        0,
+        4 % len(tiny_tokenizer("a b c d e", add_special_tokens=False)["input_ids"]),
+    ]
+    with pytest.raises(CriticalKVError, match="holds no text"):
+        window_prompts(tiny_tokenizer, "", "empty", n=1, length=4)
+
+
+def test_essay_windows_are_different_texts_of_the_asked_length(smollm2_tokenizer):
+    from criticalkv.eval.needle import load_haystack
+
+    prompts = essay_window_prompts(smollm2_tokenizer, n=3, length=300)
+    essays = smollm2_tokenizer(load_haystack()[:20000], add_special_tokens=False)["input_ids"]
+    for i, p in enumerate(prompts):
+        assert p.info == {"source": "essay windows", "start_token": 300 * i}
+        assert smollm2_tokenizer.decode(essays[300 * i : 300 * i + 300]) in smollm2_tokenizer.decode(p.context_ids)
+        assert abs(len(p.context_ids) - len(prompts[0].context_ids)) <= 5  # the same template around each window
+    assert prompts[0].question_ids == prompts[2].question_ids
 
 
 def test_command_refuses_bad_input(tiny_folder, tmp_path):

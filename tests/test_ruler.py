@@ -12,7 +12,7 @@ import pytest
 
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval import ruler
-from criticalkv.eval.needle import chat_prompt_parts, encode_prompt_parts
+from criticalkv.eval.needle import encode_prompt
 from criticalkv.eval.needle_grid import needle_grid, plot_heatmap
 from criticalkv.eval.ruler import TASKS, RulerSample, generate, score, task_score
 
@@ -25,8 +25,7 @@ LOW = math.ceil(LENGTH * (1 - ruler.LENGTH_TOLERANCE))
 
 
 def prompt_tokens(tokenizer, sample: RulerSample) -> int:
-    prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
-    prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
+    prefix_ids, suffix_ids = encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
     return len(prefix_ids) + len(suffix_ids)
 
 

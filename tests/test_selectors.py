@@ -343,7 +343,7 @@ def _protected_for(kind, window, valid, seed):
 
 
 @pytest.mark.parametrize("selector_name", ["topk", "critical"])
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 @given(problem=_selection_problems(), ties=st.booleans())
 def test_selector_properties(selector_name, problem, ties):
     b, h_kv, groups, t, lengths, budgets, kind, window, seed, alpha = problem
@@ -374,7 +374,7 @@ def test_selector_properties(selector_name, problem, ties):
     assert torch.equal(keep[everything], view.valid[:, None, :].expand_as(keep)[everything])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(
     t=st.integers(2, 20),
     b=st.integers(1, 3),

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 import criticalkv
 from criticalkv.cache import CompressedLayer
 from criticalkv.cli import app
-from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts
+from criticalkv.eval.needle import build_needle_sample, encode_prompt
 from criticalkv.runtime.session import ContextSession
 
 pytestmark = pytest.mark.model
@@ -20,8 +20,7 @@ pytestmark = pytest.mark.model
 
 def _prompt(tokenizer, tokens: int) -> tuple[torch.Tensor, str]:
     sample = build_needle_sample(tokenizer, tokens, seed=0)
-    prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
-    prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
+    prefix_ids, suffix_ids = encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
     return torch.tensor([prefix_ids + suffix_ids]), sample.answer
 
 

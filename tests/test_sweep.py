@@ -75,11 +75,10 @@ def test_sweep_resumes_and_matches_separate_runs(tmp_path, tiny_tokenizer, monke
     stored = load_rows(tmp_path / "results.jsonl")
     assert len(stored) == 3 * (1 + 2 * 2)
     # each stored answer (float32: batched or not) equals a separate, unshared run of that pair
-    from criticalkv.eval.needle import chat_prompt_parts, encode_prompt_parts
+    from criticalkv.eval.needle import encode_prompt
 
     sample = samples[1]
-    prefix, suffix = chat_prompt_parts(tiny_tokenizer, sample.context, sample.question, sample.answer_prefix)
-    prefix_ids, suffix_ids = encode_prompt_parts(tiny_tokenizer, prefix, suffix)
+    prefix_ids, suffix_ids = encode_prompt(tiny_tokenizer, sample.context, sample.question, sample.answer_prefix)
     for row in (r for r in stored if r.index == 1):
         session = ContextSession(model, row.method, row.budget)
         session.prefill(torch.tensor([prefix_ids]))

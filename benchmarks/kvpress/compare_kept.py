@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts
+from criticalkv.eval.needle import build_needle_sample, encode_prompt
 from criticalkv.models.presets import PRESETS, load_model, resolve_model_folder
 from criticalkv.runtime.api import make_compressor
 
@@ -102,8 +102,7 @@ def main() -> None:
     folder = resolve_model_folder(args.model) if args.model in PRESETS else Path(args.model)
     model, tokenizer = load_model(str(folder), dtype="float32")
     sample = build_needle_sample(tokenizer, args.tokens, seed=args.seed)
-    prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
-    prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
+    prefix_ids, suffix_ids = encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
     ids = torch.tensor([prefix_ids + suffix_ids])
     kvpress_rounding = int(ids.shape[1] * (1 - (1 - args.budget)))
     report = {

@@ -180,7 +180,7 @@ def _run(
         model, tokenizer = launch.load_model(model_name, dtype=dtype, device=device)
     layout = ParallelLayout.of(model)  # one process, or where this one sits in a torchrun split
     device = next(model.parameters()).device
-    from criticalkv.eval.needle import chat_prompt_parts, encode_prompt_parts
+    from criticalkv.eval.needle import encode_prompt
 
     context, asked = _document(tokenizer, context_file, questions, context_tokens, depth, seed)
     eos = tokenizer.eos_token_id
@@ -189,8 +189,7 @@ def _run(
     for name in methods_:
         session = ContextSession(model, name, parsed_budget, **(options if name != "full" else {}))
         for index, (q, expected, prefix_text) in enumerate(asked):
-            prefix, suffix = chat_prompt_parts(tokenizer, context, q, answer_prefix=prefix_text)
-            prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
+            prefix_ids, suffix_ids = encode_prompt(tokenizer, context, q, answer_prefix=prefix_text)
             if mode == "aware" or index == 0:
                 prompt = prefix_ids + suffix_ids if mode == "aware" else prefix_ids
                 with layer_progress(model, f"{name}: prefill {len(prompt)} tokens"):

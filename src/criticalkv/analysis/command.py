@@ -42,12 +42,14 @@ from criticalkv.progress import step_progress
 __all__ = [
     "Prompt",
     "essay_prompts",
+    "essay_window_prompts",
     "load_results",
     "parse_pairs",
     "perturbation",
     "resummarise",
     "run_analysis",
     "text_prompts",
+    "window_prompts",
 ]
 
 console = Console(stderr=True)
@@ -71,14 +73,13 @@ class Prompt:
 
 def essay_prompts(tokenizer, n: int, length: int, seed: int = 0) -> list[Prompt]:
     """Needle prompts from RULER's essays: ``length`` context tokens, needle depths spread over [0, 1]."""
-    from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts
+    from criticalkv.eval.needle import build_needle_sample, encode_prompt
 
     prompts = []
     for i in range(n):
         depth = i / (n - 1) if n > 1 else 0.5
         sample = build_needle_sample(tokenizer, length, depth=depth, seed=seed + i)
-        prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
-        context_ids, question_ids = encode_prompt_parts(tokenizer, prefix, suffix)
+        context_ids, question_ids = encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
         info = {"source": "essays", "depth": depth, "seed": seed + i, "answer": sample.answer, "key": sample.key}
         prompts.append(Prompt(i, context_ids, question_ids, info))
     return prompts
@@ -87,23 +88,38 @@ def essay_prompts(tokenizer, n: int, length: int, seed: int = 0) -> list[Prompt]
 def text_prompts(tokenizer, path: Path, n: int, length: int) -> list[Prompt]:
     """``n`` windows of ``length`` tokens from a text file (or the .txt files of a folder), cycling through the text;
     each followed by a fixed question about it."""
-    from criticalkv.eval.needle import chat_prompt_parts, encode_prompt_parts
-
     files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
     if not files:
         raise CriticalKVError(f"no .txt file in {path}")
     text = "\n\n".join(f.read_text(encoding="utf-8") for f in files)
+    return window_prompts(tokenizer, text, str(path), n, length)
+
+
+def essay_window_prompts(tokenizer, n: int, length: int) -> list[Prompt]:
+    """``n`` consecutive ``length``-token windows of RULER's essays, each a different text (no needle), each followed
+    by a fixed question about it. (``essay_prompts`` puts needles into one and the same stretch of the essays.)"""
+    from criticalkv.eval.needle import load_haystack
+
+    text = load_haystack()
+    # about 4-5 characters per token: cut what the windows need (with room), not the ~700k tokens of the essays
+    return window_prompts(tokenizer, text[: 8 * n * length + 1024], "essay windows", n, length)
+
+
+def window_prompts(tokenizer, text: str, source: str, n: int, length: int) -> list[Prompt]:
+    """``n`` consecutive windows of ``length`` tokens of ``text``, cycling through it, each followed by
+    ``TEXT_QUESTION``; ``source`` names the text in each prompt's info."""
+    from criticalkv.eval.needle import encode_prompt
+
     tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
     if not tokens:
-        raise CriticalKVError(f"{path} holds no text")
+        raise CriticalKVError(f"{source} holds no text")
     repeated = tokens * (length * n // len(tokens) + 2)
     prompts = []
     for i in range(n):
         start = (i * length) % len(tokens)
         window = tokenizer.decode(repeated[start : start + length])
-        prefix, suffix = chat_prompt_parts(tokenizer, window, TEXT_QUESTION, answer_prefix="")
-        context_ids, question_ids = encode_prompt_parts(tokenizer, prefix, suffix)
-        prompts.append(Prompt(i, context_ids, question_ids, {"source": str(path), "start_token": start}))
+        context_ids, question_ids = encode_prompt(tokenizer, window, TEXT_QUESTION, answer_prefix="")
+        prompts.append(Prompt(i, context_ids, question_ids, {"source": source, "start_token": start}))
     return prompts
 
 
@@ -387,10 +403,14 @@ def run_analysis(
         )
         if prompts == "essays":
             prompt_list = essay_prompts(tokenizer, n, length, seed)
+        elif prompts == "essay-windows":
+            prompt_list = essay_window_prompts(tokenizer, n, length)
         else:
             source = Path(prompts).expanduser()
             if not source.exists():
-                raise CriticalKVError(f"--prompts must be 'essays' or a text file / folder, got {prompts!r}")
+                raise CriticalKVError(
+                    f"--prompts must be 'essays', 'essay-windows' or a text file / folder, got {prompts!r}"
+                )
             prompt_list = text_prompts(tokenizer, source, n, length)
         eos = tokenizer.eos_token_id
         total = len(prompt_list) * len(names) * len(parsed)
@@ -446,7 +466,11 @@ def perturbation(
         str, typer.Option(help="Comma-separated budgets: fractions (0.2) or entries per head (512).")
     ] = "0.1,0.2,0.4",
     prompts: Annotated[
-        str, typer.Option(help="'essays' (needle prompts from RULER's essays) or a .txt file / folder of .txt files.")
+        str,
+        typer.Option(
+            help="'essays' (needle prompts in one stretch of RULER's essays), 'essay-windows' (a different window of"
+            " the essays per prompt, no needle, a fixed question) or a .txt file / folder of .txt files."
+        ),
     ] = "essays",
     n: Annotated[int, typer.Option(help="Number of prompts (0: only the --exhaustive-check).")] = 20,
     length: Annotated[int, typer.Option(help="Context length in tokens of each prompt.")] = 4096,

@@ -247,6 +247,21 @@ def encode_prompt_parts(tokenizer: PreTrainedTokenizerBase, prefix: str, suffix:
     return prefix_ids, suffix_ids
 
 
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    context: str,
+    question: str,
+    answer_prefix: str = "The special magic number mentioned in the provided text is",
+) -> tuple[list[int], list[int]]:
+    """Context ids and question ids of a chat-templated prompt: ``chat_prompt_parts`` then ``encode_prompt_parts``.
+
+    ``context_ids + question_ids`` is the whole prompt (question-aware); ``context_ids`` alone is what a
+    question-agnostic run compresses before the question is seen.
+    """
+    prefix, suffix = chat_prompt_parts(tokenizer, context, question, answer_prefix)
+    return encode_prompt_parts(tokenizer, prefix, suffix)
+
+
 def text_token_span(tokenizer: PreTrainedTokenizerBase, prefix: str, text: str, n_tokens: int) -> tuple[int, int]:
     """Token span [start, end) of the first occurrence of ``text`` in ``prefix``, as ``encode_prompt_parts`` encodes
     the prefix into ``n_tokens`` tokens (the needle sentence, or the needle's number)."""

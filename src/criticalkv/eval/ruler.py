@@ -3,7 +3,7 @@
 Our own generator following the recipe of RULER (github hsiehjackson/RULER, ``scripts/synthetic.yaml``
 and ``scripts/data/synthetic/*.py``): the same haystacks, needles, word lists, question and answer-prefix
 templates, sized so that the whole chat-templated prompt -- context, question and answer prefix, as
-``chat_prompt_parts`` + ``encode_prompt_parts`` build it -- is at most ``length`` tokens and at least
+``encode_prompt`` builds it -- is at most ``length`` tokens and at least
 ``(1 - LENGTH_TOLERANCE) * length``. (RULER's ``max_seq_length`` also reserves the generated tokens;
 ``TOKENS_TO_GENERATE`` gives RULER's generation length per task.)
 
@@ -35,7 +35,11 @@ from typing import Literal
 from transformers import PreTrainedTokenizerBase
 
 from criticalkv.errors import CriticalKVError
-from criticalkv.eval.needle import HAYSTACK_PACKAGE, chat_prompt_parts, encode_prompt_parts, load_haystack
+from criticalkv.eval.needle import (
+    HAYSTACK_PACKAGE,
+    encode_prompt,
+    load_haystack,
+)
 
 __all__ = [
     "LENGTH_TOLERANCE",
@@ -277,8 +281,7 @@ class _Measure:
         return [len(ids) for ids in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
     def prompt(self, draft: _Draft) -> int:
-        prefix, suffix = chat_prompt_parts(self.tokenizer, draft.context, draft.question, draft.answer_prefix)
-        prefix_ids, suffix_ids = encode_prompt_parts(self.tokenizer, prefix, suffix)
+        prefix_ids, suffix_ids = encode_prompt(self.tokenizer, draft.context, draft.question, draft.answer_prefix)
         return len(prefix_ids) + len(suffix_ids)
 
     def essay_prefix(self, n_tokens: int) -> str:

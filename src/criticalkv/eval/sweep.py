@@ -20,7 +20,7 @@ from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
 from criticalkv.distributed.layout import ParallelLayout
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
-from criticalkv.eval.needle import chat_prompt_parts, encode_prompt_parts
+from criticalkv.eval.needle import encode_prompt
 from criticalkv.methods import build_method
 from criticalkv.progress import step_progress
 from criticalkv.runtime.session import ContextSession
@@ -137,8 +137,7 @@ def _answer(
     layout: ParallelLayout,
     batch_answers: bool,
 ) -> list[Row]:
-    prefix, suffix = chat_prompt_parts(tokenizer, sample.context, sample.question, sample.answer_prefix)
-    prefix_ids, suffix_ids = encode_prompt_parts(tokenizer, prefix, suffix)
+    prefix_ids, suffix_ids = encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
     prompt = prefix_ids + suffix_ids if regime == "aware" else prefix_ids
     device = next(model.parameters()).device
     sessions = SharedPrefill(model, [(label, method, budget) for label, method, budget in pairs]).prefill(
