@@ -8,7 +8,13 @@ import pytest
 
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval import needle
-from criticalkv.eval.needle import build_needle_sample, chat_prompt_parts, encode_prompt_parts, text_token_span
+from criticalkv.eval.needle import (
+    build_needle_sample,
+    chat_prompt_parts,
+    encode_prompt,
+    encode_prompt_parts,
+    text_token_span,
+)
 
 
 def n_tokens(tokenizer, text: str) -> int:
@@ -101,6 +107,23 @@ def test_chat_prompt_parts_round_trip(smollm2_tokenizer) -> None:
     bos = smollm2_tokenizer.bos_token_id
     assert prefix_ids[0] == bos and prefix_ids[1] != bos
     assert prefix_ids + suffix_ids == smollm2_tokenizer(prefix + suffix, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.model
+def test_encode_prompt_is_the_whole_templated_prompt_split_after_the_context(smollm2_tokenizer) -> None:
+    sample = build_needle_sample(smollm2_tokenizer, 400, seed=4)
+    context_ids, question_ids = encode_prompt(smollm2_tokenizer, sample.context, sample.question, sample.answer_prefix)
+    whole = smollm2_tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"{sample.context}\n\n{sample.question}"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert (
+        context_ids + question_ids
+        == smollm2_tokenizer(whole + sample.answer_prefix, add_special_tokens=False)["input_ids"]
+    )
+    assert smollm2_tokenizer.decode(context_ids).endswith(sample.context)
+    assert sample.question in smollm2_tokenizer.decode(question_ids)
 
 
 def test_text_token_span_decodes_to_the_text(smollm2_tokenizer) -> None:

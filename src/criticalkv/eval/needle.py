@@ -248,10 +248,7 @@ def encode_prompt_parts(tokenizer: PreTrainedTokenizerBase, prefix: str, suffix:
 
 
 def encode_prompt(
-    tokenizer: PreTrainedTokenizerBase,
-    context: str,
-    question: str,
-    answer_prefix: str = "The special magic number mentioned in the provided text is",
+    tokenizer: PreTrainedTokenizerBase, context: str, question: str, answer_prefix: str
 ) -> tuple[list[int], list[int]]:
     """Context ids and question ids of a chat-templated prompt: ``chat_prompt_parts`` then ``encode_prompt_parts``.
 

@@ -35,11 +35,7 @@ from typing import Literal
 from transformers import PreTrainedTokenizerBase
 
 from criticalkv.errors import CriticalKVError
-from criticalkv.eval.needle import (
-    HAYSTACK_PACKAGE,
-    encode_prompt,
-    load_haystack,
-)
+from criticalkv.eval.needle import HAYSTACK_PACKAGE, encode_prompt, load_haystack
 
 __all__ = [
     "LENGTH_TOLERANCE",
