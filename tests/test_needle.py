@@ -90,15 +90,17 @@ def test_depth_extremes(smollm2_tokenizer) -> None:
     assert last.context.endswith(last.needle)
 
 
+def _templated(tokenizer, sample) -> str:
+    """The whole chat-templated prompt of a sample, rendered at once (no answer prefix): the reference."""
+    message = {"role": "user", "content": f"{sample.context}\n\n{sample.question}"}
+    return tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
+
+
 @pytest.mark.model
 def test_chat_prompt_parts_round_trip(smollm2_tokenizer) -> None:
     sample = build_needle_sample(smollm2_tokenizer, 500, seed=1)
     prefix, suffix = chat_prompt_parts(smollm2_tokenizer, sample.context, sample.question, sample.answer_prefix)
-    full = smollm2_tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"{sample.context}\n\n{sample.question}"}],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
+    full = _templated(smollm2_tokenizer, sample)
     assert prefix + suffix == full + sample.answer_prefix
     assert prefix.endswith(sample.context) and sample.question not in prefix
     assert suffix.startswith(f"\n\n{sample.question}") and suffix.endswith(sample.answer_prefix)
@@ -113,11 +115,7 @@ def test_chat_prompt_parts_round_trip(smollm2_tokenizer) -> None:
 def test_encode_prompt_is_the_whole_templated_prompt_split_after_the_context(smollm2_tokenizer) -> None:
     sample = build_needle_sample(smollm2_tokenizer, 400, seed=4)
     context_ids, question_ids = encode_prompt(smollm2_tokenizer, sample.context, sample.question, sample.answer_prefix)
-    whole = smollm2_tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"{sample.context}\n\n{sample.question}"}],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
+    whole = _templated(smollm2_tokenizer, sample)
     assert (
         context_ids + question_ids
         == smollm2_tokenizer(whole + sample.answer_prefix, add_special_tokens=False)["input_ids"]
