@@ -18,7 +18,7 @@ from criticalkv.budget import Budget
 from criticalkv.methods import PRESETS, build_method
 from criticalkv.scorers import LayerView, SnapKVScorer
 from criticalkv.selectors import CriticalSelector, PerturbationSelector, TopKSelector
-from criticalkv.selectors.measured import WindowPerturbation
+from criticalkv.selectors.measured import WindowPerturbation, relative_weights
 
 # --------------------------------------------------------------------------------------------------------------
 # helpers
@@ -54,11 +54,16 @@ def _view(lengths, t, h_kv=2, groups=2, d=8, hidden=12, seed=0, sharpness=3.0) -
 
 def _reference_loss(view: LayerView, keep: torch.Tensor, window: int) -> torch.Tensor:
     """L per (row, KV head), float64, one (row, query head, window query) at a time: (b, h_kv)."""
+    return _reference_head_losses(view, keep, window).sum(-1)
+
+
+def _reference_head_losses(view: LayerView, keep: torch.Tensor, window: int) -> torch.Tensor:
+    """L_g per (row, KV head, query head of its group), float64, one window query at a time: (b, h_kv, G)."""
     b, h_kv, t, d = view.keys.shape
     g = view.groups
     w = min(window, t)
     weight = view.o_proj_weight.detach().double()
-    out = torch.zeros(b, h_kv, dtype=torch.float64)
+    out = torch.zeros(b, h_kv, g, dtype=torch.float64)
     for bi in range(b):
         for k in range(h_kv):
             keys, values = view.keys[bi, k].double(), view.values[bi, k].double()
@@ -75,8 +80,16 @@ def _reference_loss(view: LayerView, keep: torch.Tensor, window: int) -> torch.T
                     kept = torch.tensor([bool(keep[bi, k, i]) for i in seen])
                     mass = a[kept].sum()
                     compressed = (a[kept] @ values[seen][kept]) / mass if mass > 0 else torch.zeros(d).double()
-                    out[bi, k] += ((full - compressed) @ w_o).abs().sum()
+                    out[bi, k, j] += ((full - compressed) @ w_o).abs().sum()
     return out
+
+
+def _reference_relative_loss(view: LayerView, keep: torch.Tensor, start: torch.Tensor, window: int, floor: float):
+    """The "relative" objective, float64: sum_g L_g(keep) / max(L_g(start), floor * mean_g L_g(start)): (b, h_kv)."""
+    begin = _reference_head_losses(view, start, window)
+    scale = torch.maximum(begin, floor * begin.mean(-1, keepdim=True))
+    weights = torch.where(scale > 0, 1.0 / scale.clamp_min(1e-300), 1.0)
+    return (_reference_head_losses(view, keep, window) * weights).sum(-1)
 
 
 def _random_keep(view: LayerView, fraction: float, seed: int) -> torch.Tensor:
@@ -111,6 +124,33 @@ def test_objective_matches_loop_reference(groups, lengths, t, window):
     assert float(objective.loss(view.valid[:, None, :].expand(-1, 2, -1)).abs().max()) < 1e-4  # nothing evicted
 
 
+def test_relative_objective_matches_loop_reference():
+    """With head weights relative to a starting set, L is each query head's loss over its start's (floored)."""
+    view = _view([18, 13], 18, groups=3, seed=21)
+    window, floor = 5, 0.3
+    start, keep = _random_keep(view, 0.5, 0), _random_keep(view, 0.3, 1)
+    start[:, :, -1] = keep[:, :, -1] = True
+    objective = WindowPerturbation.of_view(view, window)
+    torch.testing.assert_close(
+        objective.head_losses(objective.kept_sums(keep)).double(),
+        _reference_head_losses(view, keep, window),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    objective.head_weights = relative_weights(objective.head_losses(objective.kept_sums(start)), floor)
+    want = _reference_relative_loss(view, keep, start, window, floor)
+    torch.testing.assert_close(objective.loss(keep).double(), want, rtol=1e-4, atol=1e-4)
+    begin = _reference_relative_loss(view, start, start, window, floor)  # each head's term at most 1: at most G
+    torch.testing.assert_close(objective.loss(start).double(), begin, rtol=1e-4, atol=1e-4)
+    assert bool((begin <= 3.0 + 1e-9).all()) and bool((begin < 3.0 - 1e-3).any())  # some head sits on its floor
+
+
+def test_relative_weights_floor_and_zero_groups():
+    per_head = torch.tensor([[[4.0, 1.0, 0.1], [0.0, 0.0, 0.0]]])  # (b=1, h_kv=2, G=3)
+    got = relative_weights(per_head, 0.3)  # floor: 0.3 * mean(5.1 / 3) = 0.51
+    torch.testing.assert_close(got, torch.tensor([[[0.25, 1.0, 1 / 0.51], [1.0, 1.0, 1.0]]]))
+
+
 def _reference_l2_loss(objective: WindowPerturbation, keep: torch.Tensor) -> torch.Tensor:
     """The "l2" search loss, float64, one (row, KV head, query head, window query) at a time: (b, h_kv)."""
     attention, values = objective.attention.double(), objective.values_and_one[..., :-1].double()
@@ -139,12 +179,15 @@ def test_l2_search_loss_matches_loop_reference():
         torch.testing.assert_close(l1.search_loss(l1.kept_sums(keep)), l1.loss(keep))
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["summed", "head-weights"])
 @pytest.mark.parametrize("search", ["l1", "l2"])
-def test_gain_is_the_first_order_decrease(search):
+def test_gain_is_the_first_order_decrease(search, weighted):
     """gain_i = -dS/d(alpha_i) for the search loss S, where alpha_i scales entry i's contribution A_i [V_i, 1] to the
     kept sums."""
     view = _view([16, 12], 16, groups=2, seed=4)
     objective = WindowPerturbation.of_view(view, 4, search=search)
+    if weighted:
+        objective.head_weights = torch.rand(2, 2, 2, generator=torch.Generator().manual_seed(5)) + 0.1
     keep = _random_keep(view, 0.5, 1)
     keep[:, :, -4:] = True
     sums = objective.kept_sums(keep)
@@ -177,6 +220,8 @@ def test_gain_is_the_first_order_decrease(search):
     anchor=st.sampled_from([0.0, 0.5]),
     search=st.sampled_from(["l1", "l2"]),
     candidates_by=st.sampled_from(["gain", "score"]),
+    objective=st.sampled_from(["relative", "sum"]),
+    floor=st.sampled_from([0.05, 0.3, 2.0]),
     seed=st.integers(0, 10_000),
 )
 def test_never_worse_than_its_start(
@@ -193,6 +238,8 @@ def test_never_worse_than_its_start(
     anchor,
     search,
     candidates_by,
+    objective,
+    floor,
     seed,
 ):
     t = max(lengths)
@@ -212,6 +259,8 @@ def test_never_worse_than_its_start(
         anchor=anchor,
         search=search,
         candidates_by=candidates_by,
+        objective=objective,
+        floor=floor,
     )
     begin = selector.starting_selector().select(scores, budgets, protected, view)
     keep = selector.select(scores, budgets, protected, view)
@@ -223,6 +272,9 @@ def test_never_worse_than_its_start(
     got, want = _reference_loss(view, keep, window), _reference_loss(view, begin, window)
     scale = _reference_loss(view, torch.zeros_like(keep), window)  # sum of ||o W||_1, the size of the outputs
     assert bool((got <= want + 1e-5 * scale + 1e-9).all()), (got, want)
+    if objective == "relative":  # and never worse on the objective it searched
+        got = _reference_relative_loss(view, keep, begin, window, floor)
+        assert bool((got <= _reference_relative_loss(view, begin, begin, window, floor) + 1e-4).all()), got
 
 
 def test_swaps_lower_the_objective_and_keep_the_anchor():
@@ -295,6 +347,8 @@ def test_options_are_checked():
         dict(aggregate="median"),
         dict(search="l3"),
         dict(candidates_by="random"),
+        dict(objective="mean"),
+        dict(floor=0.0),
     ):
         with pytest.raises(ValueError):
             PerturbationSelector(**bad)

@@ -12,6 +12,10 @@ The window queries are the last ``window`` prompt tokens (SnapKV's observation w
 The swaps are judged on a *search norm*: ``"l1"`` is L itself; ``"l2"`` replaces each query's L1 norm by its L2 norm,
 ||r W_O^g||_2 = sqrt(r M_g r^T) with the Gram matrix M_g = W_O^g W_O^gT (d x d), so a candidate set costs d instead of
 hidden multiply-adds per query and dimension. The finished set is always checked against its start on L itself.
+
+Each query head g can enter the sum with a weight c_g (``head_weights``): ``objective="relative"`` sets
+c_g = 1 / max(L_g(S_0), floor * mean_g' L_g'(S_0)) from the starting set S_0, so every query head's *relative* change
+counts alike and a swap cannot buy a large head's gain with a small head's loss. "L" below is then the weighted sum.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from criticalkv.selectors.topk import TopKSelector
 STARTS = ("topk", "critical")
 SEARCHES = ("l1", "l2")
 CANDIDATE_RANKINGS = ("gain", "score")
+OBJECTIVES = ("relative", "sum")
 # An accepted swap must lower L by this fraction of L: float32 noise never counts as progress.
 _MIN_RELATIVE_GAIN = 1e-6
 
@@ -51,10 +56,17 @@ class WindowPerturbation:
         (h_kv, G, d, hidden): query head ``k * G + g``'s slice of o_proj, ``o_proj.weight[:, h*d:(h+1)*d].T``.
     search
         The norm the swaps are judged on (module docstring): ``"l1"`` (L itself) or ``"l2"``.
+    head_weights
+        (b, h_kv, G) float32 weight c_g of each query head's term in L and the search loss; None: all 1.
     """
 
     def __init__(
-        self, attention: torch.Tensor, values: torch.Tensor, w_heads: torch.Tensor, search: str = "l1"
+        self,
+        attention: torch.Tensor,
+        values: torch.Tensor,
+        w_heads: torch.Tensor,
+        search: str = "l1",
+        head_weights: torch.Tensor | None = None,
     ) -> None:
         if search not in SEARCHES:
             raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
@@ -66,6 +78,7 @@ class WindowPerturbation:
         self.w_heads = w_heads.float()  # (h_kv, G, d, hidden)
         self.full = _weighted_sums(self.attention, self.values_and_one[..., :d])  # o, before W_O: (b, h_kv, G, w, d)
         self.search = search
+        self.head_weights = head_weights
         # M_g = W_O^g W_O^gT: (h_kv, G, d, d), for the "l2" search only
         self.gram = torch.matmul(self.w_heads, self.w_heads.transpose(-1, -2)) if search == "l2" else None
 
@@ -105,9 +118,20 @@ class WindowPerturbation:
         b, h_kv, g, w, d = self.full.shape
         return _compressed(sums) - self.full.view(b, h_kv, g, *(1,) * (sums.dim() - 5), w, d)
 
+    def head_losses(self, sums: torch.Tensor) -> torch.Tensor:
+        """Each query head's unweighted L_g for kept sums (b, h_kv, G, ..., w, d + 1): (b, h_kv, G, ...)."""
+        return _l1_consuming(self.project(self.difference(sums)))
+
+    def _over_heads(self, per_head: torch.Tensor) -> torch.Tensor:
+        """Sum over the query heads (dim 2) of (b, h_kv, G, ...), weighted by ``head_weights``: (b, h_kv, ...)."""
+        if self.head_weights is None:
+            return per_head.sum(dim=2)
+        weights = self.head_weights.view(*self.head_weights.shape, *(1,) * (per_head.dim() - 3))
+        return (per_head * weights).sum(dim=2)
+
     def loss_of(self, sums: torch.Tensor) -> torch.Tensor:
         """L for kept sums (b, h_kv, G, ..., w, d + 1): (b, h_kv, ...)."""
-        return _l1_consuming(self.project(self.difference(sums)))
+        return self._over_heads(self.head_losses(sums))
 
     def loss(self, keep: torch.Tensor) -> torch.Tensor:
         """L(S) for a keep mask (b, h_kv, t) bool: (b, h_kv)."""
@@ -120,18 +144,20 @@ class WindowPerturbation:
         difference = self.difference(sums)
         # ||(ô - o) W||_2^2 = (ô - o) M (ô - o)^T: (b, h_kv, G, ..., w)
         quadratic = (self.project(difference, self.gram) * difference).sum(-1)
-        return quadratic.clamp_min_(0.0).sqrt_().sum(-1).sum(dim=2)
+        return self._over_heads(quadratic.clamp_min_(0.0).sqrt_().sum(-1))
 
     def direction(self, sums: torch.Tensor) -> torch.Tensor:
         """The search loss's gradient in ô for kept sums (b, h_kv, G, w, d + 1): (b, h_kv, G, w, d).
 
-        L1: sign((ô - o) W) W^T; L2: (ô - o) M / ||(ô - o) W||_2 (0 where the norm is)."""
+        L1: sign((ô - o) W) W^T; L2: (ô - o) M / ||(ô - o) W||_2 (0 where the norm is); times c_g."""
         difference = self.difference(sums)
         if self.search == "l1":
-            return self.project(self.project(difference).sign_(), self.w_heads.transpose(-1, -2))
-        mapped = self.project(difference, self.gram)  # (ô - o) M
-        norms = (mapped * difference).sum(-1, keepdim=True).clamp_min_(0.0).sqrt_()
-        return torch.where(norms > 0, mapped / norms.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+            gradient = self.project(self.project(difference).sign_(), self.w_heads.transpose(-1, -2))
+        else:
+            mapped = self.project(difference, self.gram)  # (ô - o) M
+            norms = (mapped * difference).sum(-1, keepdim=True).clamp_min_(0.0).sqrt_()
+            gradient = torch.where(norms > 0, mapped / norms.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+        return gradient if self.head_weights is None else gradient * self.head_weights[..., None, None]
 
     def gain(
         self,
@@ -169,6 +195,7 @@ class WindowPerturbation:
         candidates: int = 256,
         max_weight: float = 0.03,
         ranking: torch.Tensor | None = None,
+        relative_floor: float | None = None,
     ) -> torch.Tensor:
         """Lower L by swaps of entries of ``free`` (b, h_kv, t) or (b, 1, t) bool in and out of ``keep``.
 
@@ -180,6 +207,9 @@ class WindowPerturbation:
         first m pairs, m = 1, 4, 16, ..., ``pool``, and apply the best m if it lowers it; if none does, the first
         pair's kept entry (whose removal ``gain`` misjudged) leaves the candidates. Budgets never change. Returns a
         new mask, per head never worse than ``keep`` on L (the search loss is L itself for ``"l1"``).
+
+        ``relative_floor``: first set ``head_weights`` relative to ``keep`` (``relative_weights``), so L is then the
+        sum of each query head's loss relative to its start.
         """
         b, h_kv, t = keep.shape
         device = keep.device
@@ -191,8 +221,11 @@ class WindowPerturbation:
         n = min(candidates, t)
         if n < 1 or pool < 1 or rounds < 1 or not bool((addable.any(-1) & movable.any(-1)).any()):
             return keep
-        current = self.search_loss(start_sums)  # (b, h_kv)
-        start_loss = current if self.search == "l1" else self.loss_of(start_sums)  # L of the start: (b, h_kv)
+        start_heads = self.head_losses(start_sums)  # L_g of the start: (b, h_kv, G)
+        if relative_floor is not None:
+            self.head_weights = relative_weights(start_heads, relative_floor)
+        start_loss = self._over_heads(start_heads)  # L of the start: (b, h_kv)
+        current = start_loss if self.search == "l1" else self.search_loss(start_sums)  # (b, h_kv)
         direction = self.direction(start_sums)  # (b, h_kv, G, w, d)
         if by_gain:
             ranking = self.gain(start_sums, self.attention, self.values_and_one, direction)  # (b, h_kv, t)
@@ -254,10 +287,22 @@ class WindowPerturbation:
         # the sums drifted by float32 rounding over the rounds: judge the final set afresh against the start
         change = in_set.float() - start_in_set.float()  # (b, h_kv, 2n): +1 added, -1 dropped
         final = start_sums + _weighted_sums(attention, values_and_one * change[..., None])
-        better = self.loss_of(final) <= start_loss  # (b, h_kv)
+        final_heads = self.head_losses(final)  # (b, h_kv, G)
+        better = self._over_heads(final_heads) <= start_loss  # (b, h_kv)
+        if self.head_weights is not None:  # and never worse on the summed perturbation itself
+            better &= final_heads.sum(dim=2) <= start_heads.sum(dim=2)
         moved = (in_set != start_in_set) & better[..., None]
         flips = torch.zeros_like(keep, dtype=torch.long).scatter_add_(-1, index, moved.long()) > 0
         return keep ^ flips
+
+
+def relative_weights(per_head: torch.Tensor, floor: float) -> torch.Tensor:
+    """c_g = 1 / max(L_g, floor * mean_g' L_g') for a starting set's per-head losses (b, h_kv, G): (b, h_kv, G).
+
+    The floor keeps a head whose start is already almost exact from dominating its group; c_g = 1 where the whole
+    group's loss is 0 (nothing to lower)."""
+    scale = torch.maximum(per_head, floor * per_head.mean(dim=-1, keepdim=True))
+    return torch.where(scale > 0, 1.0 / scale.clamp_min(torch.finfo(torch.float32).tiny), 1.0)
 
 
 def _heavy(attention: torch.Tensor, sums: torch.Tensor, max_weight: float) -> torch.Tensor:
@@ -274,8 +319,8 @@ def _weighted_sums(attention: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _l1_consuming(residual: torch.Tensor) -> torch.Tensor:
-    """L from (ô - o) W (b, h_kv, G, ..., w, hidden): (b, h_kv, ...). Overwrites ``residual`` (no copy)."""
-    return residual.abs_().sum(dim=(-1, -2)).sum(dim=2)
+    """L_g from (ô - o) W (b, h_kv, G, ..., w, hidden): (b, h_kv, G, ...). Overwrites ``residual`` (no copy)."""
+    return residual.abs_().sum(dim=(-1, -2))
 
 
 def _compressed(sums: torch.Tensor) -> torch.Tensor:
@@ -299,6 +344,8 @@ class PerturbationSelector:
     exact L is lowest, if it beats the current set. Protected entries (SnapKV's window) and the ``anchor`` share of
     the budget with the best scores stay kept: the window's 32 queries are a small sample of the queries that come
     later, and the pooled scores of the best entries generalise where the window's exact perturbation overfits.
+    With ``objective="relative"`` (default) L sums each query head's loss relative to the starting set's, so the
+    search lowers the loss of the group's heads alike instead of trading a small head's loss for a large head's gain.
     Budgets are unchanged. Deterministic, and per head never worse on L than its starting set.
 
     Cost per KV head, with w window queries, G query heads per KV head, t entries, head size d, hidden size H and
@@ -335,6 +382,14 @@ class PerturbationSelector:
         How the ``candidates`` on either side are chosen: ``"gain"`` (the first-order change of the search loss,
         over every free entry) or ``"score"`` (the scorer's ranking: the excluded entries just below the kept set's
         edge and the kept ones just above it; no pass over every entry).
+    objective
+        How the query heads of a KV head's group enter L: ``"relative"`` (default: each head's loss divided by its
+        starting set's, floored at ``floor`` times the group's mean) or ``"sum"`` (the summed perturbation itself, the
+        default up to commit ``827fe2e``). On the prompts of docs/selectors.md section 8 "relative"
+        lowers the perturbation against snapkv's set on more heads at the same mean.
+    floor
+        The ``"relative"`` objective's floor, a fraction of the group's mean starting loss: a head whose start is
+        almost exact does not dominate its group.
     alpha, eps, norm_dtype, stage2, aggregate
         The CriticalKV starting set's options (see ``CriticalSelector``); ``start="critical"`` with
         ``stage2="unpooled"`` gives the lowest mean perturbation in docs/selectors.md.
@@ -349,6 +404,8 @@ class PerturbationSelector:
     anchor: float = 0.5
     search: str = "l2"
     candidates_by: str = "gain"
+    objective: str = "relative"
+    floor: float = 0.3
     alpha: float = 0.5
     eps: float = 1e-4
     norm_dtype: str = "float32"
@@ -372,6 +429,10 @@ class PerturbationSelector:
             raise ValueError(f"search must be one of {SEARCHES}, got {self.search!r}")
         if self.candidates_by not in CANDIDATE_RANKINGS:
             raise ValueError(f"candidates_by must be one of {CANDIDATE_RANKINGS}, got {self.candidates_by!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if not self.floor > 0.0:
+            raise ValueError(f"floor must be > 0, got {self.floor}")
         self._critical()  # validates its options
 
     def _critical(self) -> CriticalSelector:
@@ -401,4 +462,5 @@ class PerturbationSelector:
             free = free & ~anchored
         objective = WindowPerturbation.of_view(view, self.window, self.search)
         ranking = scores if self.candidates_by == "score" else None
-        return objective.improve(keep, free, self.pool, self.rounds, self.candidates, self.max_weight, ranking)
+        floor = self.floor if self.objective == "relative" else None
+        return objective.improve(keep, free, self.pool, self.rounds, self.candidates, self.max_weight, ranking, floor)
