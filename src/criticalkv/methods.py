@@ -57,7 +57,7 @@ PRESETS: dict[str, Preset] = {
     ),
     "measured-snapkv": Preset(
         "SnapKV's top-k set improved by swaps that lower the window queries' measured output perturbation "
-        "(half the budget anchored by score; docs/selectors.md)",
+        "(each query head's relative to its start; half the budget anchored by score; docs/selectors.md)",
         _preset(SnapKVScorer, PerturbationSelector),
     ),
     "measured-adakv": Preset(

@@ -15,7 +15,8 @@ hidden multiply-adds per query and dimension. The finished set is always checked
 
 Each query head g can enter the sum with a weight c_g (``head_weights``): ``objective="relative"`` sets
 c_g = 1 / max(L_g(S_0), floor * mean_g' L_g'(S_0)) from the starting set S_0, so every query head's *relative* change
-counts alike and a swap cannot buy a large head's gain with a small head's loss. "L" below is then the weighted sum.
+counts alike and a swap cannot buy a large head's gain with a small head's loss. "L" below is then the weighted sum;
+the finished set is then checked against its start on the unweighted sum as well.
 """
 
 from __future__ import annotations
@@ -206,7 +207,8 @@ class WindowPerturbation:
         excluded with the ``pool`` worst kept (best with worst), evaluate the search loss exactly for swapping the
         first m pairs, m = 1, 4, 16, ..., ``pool``, and apply the best m if it lowers it; if none does, the first
         pair's kept entry (whose removal ``gain`` misjudged) leaves the candidates. Budgets never change. Returns a
-        new mask, per head never worse than ``keep`` on L (the search loss is L itself for ``"l1"``).
+        new mask, per head never worse than ``keep`` on L (the search loss is L itself for ``"l1"``) and, with head
+        weights, on the unweighted sum of the query heads' losses too.
 
         ``relative_floor``: first set ``head_weights`` relative to ``keep`` (``relative_weights``), so L is then the
         sum of each query head's loss relative to its start.
