@@ -57,17 +57,13 @@ class WindowPerturbation:
         (h_kv, G, d, hidden): query head ``k * G + g``'s slice of o_proj, ``o_proj.weight[:, h*d:(h+1)*d].T``.
     search
         The norm the swaps are judged on (module docstring): ``"l1"`` (L itself) or ``"l2"``.
-    head_weights
-        (b, h_kv, G) float32 weight c_g of each query head's term in L and the search loss; None: all 1.
+
+    ``head_weights`` (b, h_kv, G) float32, None until ``improve`` sets it (``relative_floor``): the weight c_g of each
+    query head's term in L and the search loss; None: all 1.
     """
 
     def __init__(
-        self,
-        attention: torch.Tensor,
-        values: torch.Tensor,
-        w_heads: torch.Tensor,
-        search: str = "l1",
-        head_weights: torch.Tensor | None = None,
+        self, attention: torch.Tensor, values: torch.Tensor, w_heads: torch.Tensor, search: str = "l1"
     ) -> None:
         if search not in SEARCHES:
             raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
@@ -79,7 +75,7 @@ class WindowPerturbation:
         self.w_heads = w_heads.float()  # (h_kv, G, d, hidden)
         self.full = _weighted_sums(self.attention, self.values_and_one[..., :d])  # o, before W_O: (b, h_kv, G, w, d)
         self.search = search
-        self.head_weights = head_weights
+        self.head_weights: torch.Tensor | None = None
         # M_g = W_O^g W_O^gT: (h_kv, G, d, d), for the "l2" search only
         self.gram = torch.matmul(self.w_heads, self.w_heads.transpose(-1, -2)) if search == "l2" else None
 
