@@ -11,6 +11,7 @@ from criticalkv.errors import NegativeScoreError
 from criticalkv.scorers.base import LayerView
 from criticalkv.scorers.snapkv import AGGREGATES, window_head_scores
 from criticalkv.selectors.base import keep_protected, take_top
+from criticalkv.selectors.norm_screen import screens, take_top_by_value_norm
 from criticalkv.selectors.value_norm import projected_value_norm
 
 STAGE2_ATTENTION = ("scores", "unpooled")
@@ -43,6 +44,11 @@ class CriticalSelector:
         ``"group_mean"``: ``(A + eps) * N`` with A and N averaged over the GQA group (the paper, kvpress);
         ``"per_head"``: the group mean of the per-query-head products ``(A_g + eps) * ||V W_O^g||_1``, with A_g
         the window's attention of query head g (an ablation).
+    screen
+        With float32 norms of bfloat16 values on a device with native bfloat16 products, compute the norms in
+        bfloat16 first with a bound on their error and in float32 only for the entries the bound cannot settle
+        (``selectors/norm_screen.py``): the same choice as the float32 norms everywhere, at about the cost of the
+        bfloat16 ones. False computes every float32 norm (the reference, and the timing baseline).
     window, kernel, aggregate
         The observation window the ablations read A from: its last ``window`` queries, pooled with ``kernel``
         (not with ``stage2="unpooled"``), reduced over the queries by ``aggregate`` (``"mean"`` or ``"max"``).
@@ -55,6 +61,7 @@ class CriticalSelector:
     norm_dtype: str = "float32"
     stage2: str = "scores"
     value_norm: str = "group_mean"
+    screen: bool = True
     window: int = 32
     kernel: int = 5
     aggregate: str = "mean"
@@ -88,22 +95,37 @@ class CriticalSelector:
         keep = keep_protected(protected, budgets)
         stage1 = torch.floor(budgets.double() * self.alpha + 1e-9).long()  # (b, h_kv)
         keep = take_top(scores, keep, view.valid, stage1 - keep.sum(-1))
-        return take_top(self.stage2_scores(scores, view), keep, view.valid, budgets - keep.sum(-1))
+        need = budgets - keep.sum(-1)  # (b, h_kv)
+        if self._screens(view):
+            weights = self._stage2_attention(scores, view) + self.eps  # (b, h_kv, t)
+            return take_top_by_value_norm(weights, view.values, view.o_proj_weight, keep, view.valid, need)
+        return take_top(self.stage2_scores(scores, view), keep, view.valid, need)
+
+    def _screens(self, view: LayerView) -> bool:
+        """Whether stage 2 screens the float32 norms (``screen``), unless another method already computed them."""
+        return (
+            self.screen
+            and self.norm_dtype == "float32"
+            and self.value_norm == "group_mean"
+            and ("value_norm", torch.float32) not in view.memo
+            and screens(view.values)
+        )
+
+    def _stage2_attention(self, scores: torch.Tensor, view: LayerView) -> torch.Tensor:
+        """The attention A of ``(A + eps) * N`` with group-mean norms: (b, h_kv, t) float32."""
+        if self.stage2 == "scores":
+            return scores
+        return self._window_attention_per_head(view).mean(dim=2)
 
     def stage2_scores(self, scores: torch.Tensor, view: LayerView) -> torch.Tensor:
         """The score stage 2 ranks the remaining entries by: (b, h_kv, t) float32."""
         dtype = torch.float32 if self.norm_dtype == "float32" else None
-        if self.stage2 == "scores" and self.value_norm == "group_mean":
-            norms = view.remember(
-                ("value_norm", dtype), lambda: projected_value_norm(view.values, view.o_proj_weight, dtype)
-            )  # (b, h_kv, t)
-            return (scores + self.eps) * norms
-        attention = self._window_attention_per_head(view)  # (b, h_kv, G, t)
         if self.value_norm == "group_mean":
             norms = view.remember(
                 ("value_norm", dtype), lambda: projected_value_norm(view.values, view.o_proj_weight, dtype)
-            )
-            return (attention.mean(dim=2) + self.eps) * norms
+            )  # (b, h_kv, t)
+            return (self._stage2_attention(scores, view) + self.eps) * norms
+        attention = self._window_attention_per_head(view)  # (b, h_kv, G, t)
         head_norms = view.remember(
             ("value_norm_per_head", dtype),
             lambda: projected_value_norm(view.values, view.o_proj_weight, dtype, per_head=True),

@@ -1,0 +1,148 @@
+"""The bfloat16 screen of CriticalKV's float32 value norms: its error bound holds, and the screened stage 2 chooses
+what stage 2 with every float32 norm chooses (the reference), with and without entries the screen cannot settle."""
+
+from __future__ import annotations
+
+import math
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from criticalkv.scorers import LayerView
+from criticalkv.selectors import CriticalSelector, norm_screen, projected_value_norm
+from criticalkv.selectors import critical as critical_module
+from criticalkv.selectors.base import take_top
+
+
+class _Attn(nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.o_proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+        with torch.no_grad():
+            self.o_proj.weight.copy_(weight)
+        self.layer_idx = 0
+
+
+def _bf16_layer(
+    gen: torch.Generator, b: int, h_kv: int, g: int, t: int, d: int, hidden: int, spread: float, zeros: bool = True
+):
+    """bfloat16 values whose rows span ``spread`` orders of magnitude (every 7th zero with ``zeros``), and a
+    bfloat16 output projection."""
+    scale = 10.0 ** (spread * (torch.rand(b, h_kv, t, 1, generator=gen) - 0.5))
+    values = (torch.randn(b, h_kv, t, d, generator=gen) * scale).bfloat16()
+    if zeros:
+        values[:, :, ::7] = 0.0  # zero rows: norm 0, ties at weight * 0
+    weight = (torch.randn(hidden, h_kv * g * d, generator=gen) * 0.05).bfloat16()
+    return values, weight
+
+
+def _left_padded(b: int, t: int, gen: torch.Generator) -> torch.Tensor:
+    lengths = torch.randint(1, t + 1, (b,), generator=gen)
+    lengths[0] = t
+    return torch.arange(t)[None, :] >= (t - lengths)[:, None]  # (b, t)
+
+
+def _chosen_scores(keep: torch.Tensor, scores: torch.Tensor) -> list[list[list[float]]]:
+    """Each head's chosen scores, sorted: the comparison that ties between equal scores cannot upset."""
+    return [[sorted(scores[i, j][keep[i, j]].tolist()) for j in range(keep.shape[1])] for i in range(keep.shape[0])]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    h_kv=st.integers(1, 3),
+    g=st.integers(1, 4),
+    d=st.sampled_from([4, 16, 64]),
+    hidden=st.integers(8, 96),
+    spread=st.floats(0.0, 12.0),
+)
+def test_bfloat16_norms_lie_within_the_screen_bound(seed, h_kv, g, d, hidden, spread):
+    gen = torch.Generator().manual_seed(seed)
+    values, weight = _bf16_layer(gen, 2, h_kv, g, 40, d, hidden, spread)
+    exact = projected_value_norm(values, weight)  # float32 products
+    rough = projected_value_norm(values, weight, compute_dtype=None)  # bfloat16 products
+    slack = norm_screen.REL * rough + norm_screen._abs_coefficient(values) * norm_screen._abs_product_sum(
+        values, weight
+    )
+    assert bool(((rough - exact).abs() <= slack).all())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    b=st.integers(1, 3),
+    h_kv=st.integers(1, 3),
+    g=st.integers(1, 3),
+    t=st.integers(1, 48),
+    levels=st.sampled_from([0, 3, 1000]),
+    loose=st.booleans(),
+)
+def test_screened_stage2_chooses_what_float32_norms_choose(seed, b, h_kv, g, t, levels, loose):
+    """Against ``take_top`` over every float32 norm; ``levels`` quantises the weights (0: all equal, so the norms
+    alone decide; 3: many ties), ``loose`` widens the bound until nothing is settled (every entry recomputed)."""
+    gen = torch.Generator().manual_seed(seed)
+    values, weight = _bf16_layer(gen, b, h_kv, g, t, 8, 24, 4.0)
+    weights = torch.rand(b, h_kv, t, generator=gen)
+    weights = (weights * levels).floor() / max(levels, 1) + 1e-4 if levels else torch.ones(b, h_kv, t)
+    valid = _left_padded(b, t, gen)
+    keep = (torch.rand(b, h_kv, t, generator=gen) < 0.2) & valid[:, None, :]
+    need = torch.randint(0, t + 2, (b, h_kv), generator=gen)
+    exact = weights * projected_value_norm(values, weight)  # (b, h_kv, t)
+    want = take_top(exact, keep, valid, need)
+    with mock.patch.object(norm_screen, "REL", 1.0 if loose else norm_screen.REL):
+        got = norm_screen.take_top_by_value_norm(weights, values, weight, keep, valid, need)
+    assert torch.equal(got.sum(-1), want.sum(-1))
+    assert bool((got >= keep).all())
+    assert _chosen_scores(got, exact) == _chosen_scores(want, exact)
+
+
+def _bf16_view(b: int, h_kv: int, g: int, t: int, d: int, hidden: int, seed: int) -> LayerView:
+    gen = torch.Generator().manual_seed(seed)
+    values, weight = _bf16_layer(gen, b, h_kv, g, t, d, hidden, 3.0, zeros=False)  # no ties: masks compare
+    query = torch.randn(b, h_kv * g, t, d, generator=gen).bfloat16()
+    keys = torch.randn(b, h_kv, t, d, generator=gen).bfloat16()
+    return LayerView(_Attn(weight), query, keys, values, _left_padded(b, t, gen), 1.0 / math.sqrt(d))
+
+
+@pytest.mark.parametrize("stage2", ["scores", "unpooled"])
+def test_critical_selector_screened_equals_unscreened(stage2, monkeypatch):
+    """The selector with the screen (forced on, whatever this CPU does in bfloat16) keeps the very entries it keeps
+    with every float32 norm, on a padded batch with per-head budgets."""
+    calls = []
+    screened = norm_screen.take_top_by_value_norm
+    monkeypatch.setattr(critical_module, "screens", lambda values: True)
+    monkeypatch.setattr(critical_module, "take_top_by_value_norm", lambda *a: calls.append(1) or screened(*a))
+    b, h_kv, t = 3, 2, 96
+    for seed in range(4):
+        view = _bf16_view(b, h_kv, 3, t, 16, 40, seed)
+        scores = torch.rand(b, h_kv, t, generator=torch.Generator().manual_seed(seed)) ** 4
+        protected = torch.zeros(b, t, dtype=torch.bool)
+        protected[:, -8:] = True
+        budgets = torch.randint(1, t, (b, h_kv), generator=torch.Generator().manual_seed(50 + seed))
+        kwargs = dict(stage2=stage2, window=8, kernel=3)
+        got = CriticalSelector(**kwargs).select(scores, budgets, protected, view)
+        want = CriticalSelector(screen=False, **kwargs).select(scores, budgets, protected, view)
+        assert torch.equal(got, want), seed
+    assert len(calls) == 4
+
+
+def test_screen_is_skipped_where_it_cannot_pay(monkeypatch):
+    """float32 values, ``norm_dtype="model"``, per-head norms and norms another method already computed for the view
+    all take the unscreened path."""
+    monkeypatch.setattr(critical_module, "screens", norm_screen.screens)
+    view = _bf16_view(1, 2, 2, 32, 8, 16, seed=0)
+    assert not norm_screen.screens(view.values.float())
+    assert norm_screen.screens(view.values) == (
+        torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    )
+    monkeypatch.setattr(critical_module, "screens", lambda values: True)
+    assert CriticalSelector()._screens(view)
+    assert not CriticalSelector(screen=False)._screens(view)
+    assert not CriticalSelector(norm_dtype="model")._screens(view)
+    assert not CriticalSelector(value_norm="per_head")._screens(view)
+    view.remember(("value_norm", torch.float32), lambda: projected_value_norm(view.values, view.o_proj_weight))
+    assert not CriticalSelector()._screens(view)
