@@ -65,9 +65,8 @@ def test_bfloat16_norms_lie_within_the_screen_bound(seed, h_kv, g, d, hidden, sp
     values, weight = _bf16_layer(gen, 2, h_kv, g, 40, d, hidden, spread)
     exact = projected_value_norm(values, weight)  # float32 products
     rough = projected_value_norm(values, weight, compute_dtype=None)  # bfloat16 products
-    slack = norm_screen.REL * rough + norm_screen._abs_coefficient(values) * norm_screen._abs_product_sum(
-        values, weight
-    )
+    bound_rough, slack = norm_screen.norm_bounds(values, weight)
+    assert torch.equal(bound_rough, rough)
     assert bool(((rough - exact).abs() <= slack).all())
 
 
@@ -94,7 +93,8 @@ def test_screened_stage2_chooses_what_float32_norms_choose(seed, b, h_kv, g, t, 
     exact = weights * projected_value_norm(values, weight)  # (b, h_kv, t)
     want = take_top(exact, keep, valid, need)
     with mock.patch.object(norm_screen, "REL", 1.0 if loose else norm_screen.REL):
-        got = norm_screen.take_top_by_value_norm(weights, values, weight, keep, valid, need)
+        bounds = norm_screen.norm_bounds(values, weight)
+        got = norm_screen.take_top_by_value_norm(weights, bounds, values, weight, keep, valid, need)
     assert torch.equal(got.sum(-1), want.sum(-1))
     assert bool((got >= keep).all())
     assert _chosen_scores(got, exact) == _chosen_scores(want, exact)
@@ -136,9 +136,7 @@ def test_screen_is_skipped_where_it_cannot_pay(monkeypatch):
     monkeypatch.setattr(critical_module, "screens", norm_screen.screens)
     view = _bf16_view(1, 2, 2, 32, 8, 16, seed=0)
     assert not norm_screen.screens(view.values.float())
-    assert norm_screen.screens(view.values) == (
-        torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    )
+    assert norm_screen.screens(view.values) == norm_screen._cpu_multiplies_bfloat16()
     monkeypatch.setattr(critical_module, "screens", lambda values: True)
     assert CriticalSelector()._screens(view)
     assert not CriticalSelector(screen=False)._screens(view)
@@ -146,3 +144,18 @@ def test_screen_is_skipped_where_it_cannot_pay(monkeypatch):
     assert not CriticalSelector(value_norm="per_head")._screens(view)
     view.remember(("value_norm", torch.float32), lambda: projected_value_norm(view.values, view.o_proj_weight))
     assert not CriticalSelector()._screens(view)
+
+
+def test_screen_bounds_are_computed_once_per_view(monkeypatch):
+    """A prefill compressed for several budgets (a sweep) computes the bfloat16 norms and their bound once."""
+    calls = []
+    bounds = norm_screen.norm_bounds
+    monkeypatch.setattr(critical_module, "screens", lambda values: True)
+    monkeypatch.setattr(critical_module, "norm_bounds", lambda *a: calls.append(1) or bounds(*a))
+    view = _bf16_view(2, 2, 2, 64, 8, 24, seed=3)
+    scores = torch.rand(2, 2, 64, generator=torch.Generator().manual_seed(4))
+    protected = torch.zeros(2, 64, dtype=torch.bool)
+    got = [CriticalSelector().select(scores, torch.full((2, 2), n), protected, view) for n in (6, 13, 40)]
+    assert len(calls) == 1
+    for n, mask in zip((6, 13, 40), got, strict=True):
+        assert torch.equal(mask, CriticalSelector(screen=False).select(scores, torch.full((2, 2), n), protected, view))

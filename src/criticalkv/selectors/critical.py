@@ -11,7 +11,7 @@ from criticalkv.errors import NegativeScoreError
 from criticalkv.scorers.base import LayerView
 from criticalkv.scorers.snapkv import AGGREGATES, window_head_scores
 from criticalkv.selectors.base import keep_protected, take_top
-from criticalkv.selectors.norm_screen import screens, take_top_by_value_norm
+from criticalkv.selectors.norm_screen import norm_bounds, screens, take_top_by_value_norm
 from criticalkv.selectors.value_norm import projected_value_norm
 
 STAGE2_ATTENTION = ("scores", "unpooled")
@@ -98,11 +98,13 @@ class CriticalSelector:
         need = budgets - keep.sum(-1)  # (b, h_kv)
         if self._screens(view):
             weights = self._stage2_attention(scores, view) + self.eps  # (b, h_kv, t)
-            return take_top_by_value_norm(weights, view.values, view.o_proj_weight, keep, view.valid, need)
+            bounds = view.remember("value_norm_bounds", lambda: norm_bounds(view.values, view.o_proj_weight))
+            return take_top_by_value_norm(weights, bounds, view.values, view.o_proj_weight, keep, view.valid, need)
         return take_top(self.stage2_scores(scores, view), keep, view.valid, need)
 
     def _screens(self, view: LayerView) -> bool:
-        """Whether stage 2 screens the float32 norms (``screen``), unless another method already computed them."""
+        """Whether stage 2 screens the float32 norms (``screen``), unless another method already computed them (the
+        bounds are shared the same way: one prefill compressed for several budgets computes them once)."""
         return (
             self.screen
             and self.norm_dtype == "float32"

@@ -31,11 +31,25 @@ def screens(values: torch.Tensor) -> bool:
         return False
     if values.is_cuda:
         return True
-    return values.device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return values.device.type == "cpu" and _cpu_multiplies_bfloat16()
+
+
+def _cpu_multiplies_bfloat16() -> bool:
+    """AVX512-BF16 or AMX, as torch reports them (private helpers: a torch without them counts as neither)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def norm_bounds(values: torch.Tensor, o_proj_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norms from bfloat16 products, N', and a bound on their distance to the float32 norms N:
+    (b, h_kv, t) float32 each, with ``|N' - N| <= slack``. values (b, h_kv, t, d); o_proj_weight (hidden, h_q * d)."""
+    rough = projected_value_norm(values, o_proj_weight, compute_dtype=None)
+    return rough, REL * rough + _abs_coefficient(values) * _abs_product_sum(values, o_proj_weight)
 
 
 def take_top_by_value_norm(
     weights: torch.Tensor,
+    bounds: tuple[torch.Tensor, torch.Tensor],
     values: torch.Tensor,
     o_proj_weight: torch.Tensor,
     keep: torch.Tensor,
@@ -44,17 +58,16 @@ def take_top_by_value_norm(
 ) -> torch.Tensor:
     """``take_top(weights * N, keep, valid, need)`` with N the float32 ``projected_value_norm``, screened.
 
-    weights (b, h_kv, t) float32, >= 0 on the candidates (stage 2's ``A + eps``); values (b, h_kv, t, d) bfloat16;
-    o_proj_weight (hidden, h_q * d); keep (b, h_kv, t) bool; valid (b, t) bool; need (b, h_kv) long.
-    Returns the new keep mask (b, h_kv, t) bool.
+    weights (b, h_kv, t) float32, >= 0 on the candidates (stage 2's ``A + eps``); bounds: ``norm_bounds(values,
+    o_proj_weight)``; values (b, h_kv, t, d) bfloat16; o_proj_weight (hidden, h_q * d); keep (b, h_kv, t) bool;
+    valid (b, t) bool; need (b, h_kv) long. Returns the new keep mask (b, h_kv, t) bool.
     """
     candidates = valid[:, None, :] & ~keep  # (b, h_kv, t)
     need = torch.minimum(need.clamp(min=0), candidates.sum(-1))  # (b, h_kv)
     k = int(need.max()) if need.numel() else 0
     if k == 0:
         return keep
-    rough = projected_value_norm(values, o_proj_weight, compute_dtype=None)  # (b, h_kv, t) from bfloat16 products
-    slack = REL * rough + _abs_coefficient(values) * _abs_product_sum(values, o_proj_weight)  # (b, h_kv, t)
+    rough, slack = bounds
     low = (weights * (rough - slack)).masked_fill(~candidates, float("-inf"))  # (b, h_kv, t)
     high = (weights * (rough + slack)).masked_fill(~candidates, float("-inf"))
     sure_in, sure_out = _settled(low, high, need, k)
