@@ -100,12 +100,14 @@ def test_screened_stage2_chooses_what_float32_norms_choose(seed, b, h_kv, g, t, 
     assert _chosen_scores(got, exact) == _chosen_scores(want, exact)
 
 
-def _bf16_view(b: int, h_kv: int, g: int, t: int, d: int, hidden: int, seed: int) -> LayerView:
+def _bf16_view(b: int, h_kv: int, g: int, t: int, d: int, hidden: int, seed: int, device: str = "cpu") -> LayerView:
     gen = torch.Generator().manual_seed(seed)
     values, weight = _bf16_layer(gen, b, h_kv, g, t, d, hidden, 3.0, zeros=False)  # no ties: masks compare
     query = torch.randn(b, h_kv * g, t, d, generator=gen).bfloat16()
     keys = torch.randn(b, h_kv, t, d, generator=gen).bfloat16()
-    return LayerView(_Attn(weight), query, keys, values, _left_padded(b, t, gen), 1.0 / math.sqrt(d))
+    valid = _left_padded(b, t, gen)
+    tensors = [x.to(device) for x in (query, keys, values, valid)]
+    return LayerView(_Attn(weight).to(device), *tensors, 1.0 / math.sqrt(d))
 
 
 @pytest.mark.parametrize("stage2", ["scores", "unpooled"])
@@ -159,3 +161,22 @@ def test_screen_bounds_are_computed_once_per_view(monkeypatch):
     assert len(calls) == 1
     for n, mask in zip((6, 13, 40), got, strict=True):
         assert torch.equal(mask, CriticalSelector(screen=False).select(scores, torch.full((2, 2), n), protected, view))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_screen_on_cuda_chooses_what_float32_norms_choose():
+    """On a GPU the screen runs by itself (bfloat16 values), with the wider bound for cuBLAS's reduced-precision
+    sums; it keeps what every float32 norm keeps, on long heads where stage 2 leaves most entries out."""
+    b, h_kv, t = 2, 2, 4096
+    for seed in range(3):
+        view = _bf16_view(b, h_kv, 4, t, 64, 256, seed, device="cuda")
+        assert norm_screen.screens(view.values)
+        gen = torch.Generator().manual_seed(seed)
+        scores = (torch.rand(b, h_kv, t, generator=gen) ** 8).cuda()
+        protected = torch.zeros(b, t, dtype=torch.bool, device="cuda")
+        protected[:, -32:] = True
+        budgets = torch.full((b, h_kv), t // 5, device="cuda")
+        got = CriticalSelector().select(scores, budgets, protected, view)
+        assert "value_norm_bounds" in view.memo
+        want = CriticalSelector(screen=False).select(scores, budgets, protected, view)
+        assert torch.equal(got, want), seed
