@@ -76,7 +76,7 @@ def take_top_by_value_norm(
     m = int(unsure.sum(-1).max())
     if m:
         # the unsure positions of each head first (padded with settled ones, written back unchanged)
-        index = unsure.to(torch.uint8).topk(m, dim=-1).indices  # (b, h_kv, m)
+        index = unsure.float().topk(m, dim=-1).indices  # (b, h_kv, m)
         picked = torch.take_along_dim(values, index[..., None], dim=2)  # (b, h_kv, m, d)
         exact = projected_value_norm(picked, o_proj_weight) * weights.gather(-1, index)  # (b, h_kv, m) float32
         exact = torch.where(unsure.gather(-1, index), exact, ranking.gather(-1, index))
