@@ -30,14 +30,20 @@ def keep_protected(protected: torch.Tensor, budgets: torch.Tensor) -> torch.Tens
     return protected[:, None, :] & (from_right[:, None, :] <= budgets[:, :, None])
 
 
+def open_places(keep: torch.Tensor, valid: torch.Tensor, need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """What a head can still add: candidates (b, h, t) bool (valid, not kept), each head's need capped by its
+    candidates (b, h) long, and the largest of those needs (a host read)."""
+    candidates = valid[:, None, :] & ~keep
+    need = torch.minimum(need.clamp(min=0), candidates.sum(-1))
+    return candidates, need, int(need.max()) if need.numel() else 0
+
+
 def take_top(scores: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
     """Add to ``keep`` the ``need[b, h]`` best-scored valid entries it does not hold yet.
 
     scores (b, h, t) float32; keep (b, h, t) bool; valid (b, t) bool; need (b, h) long. Returns a new mask.
     """
-    candidates = valid[:, None, :] & ~keep
-    need = torch.minimum(need.clamp(min=0), candidates.sum(-1))
-    k = int(need.max()) if need.numel() else 0
+    candidates, need, k = open_places(keep, valid, need)
     if k == 0:
         return keep
     ranked = scores.masked_fill(~candidates, float("-inf")).topk(k, dim=-1)  # sorted, best first

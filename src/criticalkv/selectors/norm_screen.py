@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from criticalkv.selectors.base import take_top
+from criticalkv.selectors.base import open_places, take_top
 from criticalkv.selectors.value_norm import projected_value_norm
 
 # |N_bf16 - N_fp32| <= REL * N_bf16 + ABS_PER_DIM * d * M, with M = sum_j sum_k |V_k| |W_kj| (averaged over the group).
@@ -62,9 +62,7 @@ def take_top_by_value_norm(
     o_proj_weight)``; values (b, h_kv, t, d) bfloat16; o_proj_weight (hidden, h_q * d); keep (b, h_kv, t) bool;
     valid (b, t) bool; need (b, h_kv) long. Returns the new keep mask (b, h_kv, t) bool.
     """
-    candidates = valid[:, None, :] & ~keep  # (b, h_kv, t)
-    need = torch.minimum(need.clamp(min=0), candidates.sum(-1))  # (b, h_kv)
-    k = int(need.max()) if need.numel() else 0
+    candidates, need, k = open_places(keep, valid, need)  # (b, h_kv, t), (b, h_kv), int
     if k == 0:
         return keep
     rough, slack = bounds
