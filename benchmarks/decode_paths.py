@@ -28,7 +28,7 @@ from transformers import PreTrainedModel
 from criticalkv.cache import CompressedLayer
 from criticalkv.cache.attention import compressed_attention
 from criticalkv.cache.fused_attention import ATTENTION_ENV_VAR
-from criticalkv.eval.needle import build_needle_sample, encode_prompt
+from criticalkv.eval.needle import needle_prompt_ids
 from criticalkv.models.presets import load_model
 from criticalkv.runtime.session import ContextSession
 
@@ -54,9 +54,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=args.dtype)
-    sample = build_needle_sample(tokenizer, args.tokens, seed=0)
-    prefix_ids, suffix_ids = encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
-    ids = torch.tensor([prefix_ids + suffix_ids] * args.batch, device=model.device)
+    ids = torch.tensor([needle_prompt_ids(tokenizer, args.tokens)] * args.batch, device=model.device)
     sessions = {}
     compressed = ContextSession(model, args.method, args.budget)
     compressed.prefill(ids)

@@ -22,7 +22,7 @@ import torch
 
 from criticalkv.analysis.capture import capture
 from criticalkv.budget import Budget
-from criticalkv.eval.needle import build_needle_sample, encode_prompt
+from criticalkv.eval.needle import needle_prompt_ids
 from criticalkv.methods import build_method
 from criticalkv.models.presets import load_model
 from criticalkv.selectors.measured import WindowPerturbation
@@ -43,9 +43,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     model, tokenizer = load_model(args.model)
-    sample = build_needle_sample(tokenizer, args.tokens, seed=0)
-    prefix_ids, suffix_ids = encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
-    ids = torch.tensor([prefix_ids + suffix_ids])
+    ids = torch.tensor([needle_prompt_ids(tokenizer, args.tokens)])
     layers = capture(model, ids, generate=0).analysed
     budget = Budget(args.budget)
     rows = []

@@ -26,7 +26,7 @@ from timed_generation import child_environment, peak_memory_above, reset_peak_me
 
 from criticalkv.cache import CompressedLayer
 from criticalkv.cache.fused_attention import ATTENTION_ENV_VAR, PATHS
-from criticalkv.eval.needle import build_needle_sample, encode_prompt
+from criticalkv.eval.needle import needle_prompt_ids
 from criticalkv.models.families import head_dim
 from criticalkv.models.presets import load_model
 from criticalkv.runtime.session import ContextSession
@@ -37,9 +37,7 @@ CPU = torch.device("cpu")
 def measure(model_name: str, method: str, budget: str, tokens: int, decode_tokens: int, dtype: str) -> dict:
     """One run, in this process: prefill, KV accounting, greedy decode timing, peak RSS."""
     model, tokenizer = load_model(model_name, dtype=dtype)
-    sample = build_needle_sample(tokenizer, tokens, seed=0)
-    prefix_ids, suffix_ids = encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
-    ids = torch.tensor([prefix_ids + suffix_ids])
+    ids = torch.tensor([needle_prompt_ids(tokenizer, tokens)])
     session = ContextSession(model, method, budget)
     start_memory = reset_peak_memory(CPU)  # loading the weights peaks higher than a prefill: measure from here on
     start = time.perf_counter()

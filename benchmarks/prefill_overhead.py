@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from criticalkv.eval.needle import build_needle_sample, encode_prompt
+from criticalkv.eval.needle import needle_prompt_ids
 from criticalkv.models.presets import load_model
 from criticalkv.runtime.session import ContextSession
 
@@ -47,9 +47,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     model, tokenizer = load_model(args.model, dtype=args.dtype)
-    sample = build_needle_sample(tokenizer, args.tokens, seed=0)
-    prefix_ids, suffix_ids = encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
-    ids = torch.tensor([prefix_ids + suffix_ids])
+    ids = torch.tensor([needle_prompt_ids(tokenizer, args.tokens)])
     methods = [m.strip() for m in args.methods.split(",")]
     sessions = {}
     for spec in methods:

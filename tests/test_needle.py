@@ -13,6 +13,7 @@ from criticalkv.eval.needle import (
     chat_prompt_parts,
     encode_prompt,
     encode_prompt_parts,
+    needle_prompt_ids,
     text_token_span,
 )
 
@@ -40,6 +41,15 @@ def test_sample_with_tiny_tokenizer(tiny_tokenizer) -> None:
     assert sample.needle == f"One of the special magic numbers for {sample.key} is: {sample.answer}."
     assert sample.question == f"What is the special magic number for {sample.key} mentioned in the provided text?"
     assert build_needle_sample(tiny_tokenizer, 300, key="blue-moon").key == "blue-moon"
+
+
+def test_needle_prompt_ids_are_the_whole_encoded_prompt(tiny_tokenizer) -> None:
+    """The benchmarks' prompt: the sample's context then its question, as ``encode_prompt`` splits them."""
+    sample = build_needle_sample(tiny_tokenizer, 500, seed=4)
+    context_ids, question_ids = encode_prompt(tiny_tokenizer, sample.context, sample.question, sample.answer_prefix)
+    ids = needle_prompt_ids(tiny_tokenizer, 500, seed=4)
+    assert ids == context_ids + question_ids
+    assert ids != needle_prompt_ids(tiny_tokenizer, 500, seed=5)  # another needle
 
 
 def test_bad_arguments(tiny_tokenizer) -> None:

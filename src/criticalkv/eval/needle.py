@@ -259,6 +259,14 @@ def encode_prompt(
     return encode_prompt_parts(tokenizer, prefix, suffix)
 
 
+def needle_prompt_ids(tokenizer: PreTrainedTokenizerBase, context_tokens: int, seed: int = 0) -> list[int]:
+    """The whole chat-templated prompt of ``build_needle_sample(tokenizer, context_tokens, seed=seed)``, question
+    included: the prompt the speed and memory benchmarks time."""
+    sample = build_needle_sample(tokenizer, context_tokens, seed=seed)
+    context_ids, question_ids = encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+    return context_ids + question_ids
+
+
 def text_token_span(tokenizer: PreTrainedTokenizerBase, prefix: str, text: str, n_tokens: int) -> tuple[int, int]:
     """Token span [start, end) of the first occurrence of ``text`` in ``prefix``, as ``encode_prompt_parts`` encodes
     the prefix into ``n_tokens`` tokens (the needle sentence, or the needle's number)."""
