@@ -160,9 +160,32 @@ def speed_tables(summary: list[dict], clock: str) -> str:
             f"{head} {_cell(ours, rss, '.0f', MIB)} | {_cell(theirs, rss, '.0f', MIB)} | {_cell(ratio, rss, '.3f')} |"
             f"{gpu} {_kv_cell(ours)} | {_kv_cell(theirs)} | {_cell(ratio, 'kv_bytes', '.3f')} |"
         )
-    return (
+    tables = (
         f"Times ({label}, medians):\n\n" + "\n".join(time_lines) + "\n\nMemory (medians):\n\n" + "\n".join(memory_lines)
     )
+    return tables + compression_table(summary)
+
+
+def compression_table(summary: list[dict]) -> str:
+    """Markdown: the prefill's CPU time spent compressing and the rest of it, both systems (runs that recorded it)."""
+    spent, rest = "compression_cpu_seconds", "ttft_cpu_outside_compression_seconds"
+    lines = [
+        "| prompt tokens | method | compression criticalkv (CPU s) | compression kvpress (CPU s) | ratio | "
+        "rest of the prefill criticalkv (CPU s) | rest kvpress (CPU s) | ratio |",
+        "|" + "---|" * 8,
+    ]
+    for r in summary:
+        ours, theirs = r.get("ours", {}), r.get("kvpress", {})
+        if spent not in ours or spent not in theirs:
+            continue
+        lines.append(
+            f"| {r['prompt_tokens']} | {r['method']} | {ours[spent]:.3f} | {theirs[spent]:.3f} | "
+            f"{ours[spent] / theirs[spent]:.3f} | {ours[rest]:.2f} | {theirs[rest]:.2f} | "
+            f"{ours[rest] / theirs[rest]:.3f} |"
+        )
+    if len(lines) == 2:
+        return ""
+    return "\n\nCompression inside the prefill (CPU time, medians over the runs):\n\n" + "\n".join(lines)
 
 
 def fastest_table(runs: list[dict], clock: str) -> str:

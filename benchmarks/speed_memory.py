@@ -51,7 +51,12 @@ FIGURES = (
     "peak_rss_above_start_bytes",
     "kv_bytes",
 )
-OPTIONAL_FIGURES = ("peak_cuda_above_start_bytes", "prefill_dispatched_ops", "prefill_host_reads")  # GPU; --count-ops
+OPTIONAL_FIGURES = (  # on a GPU; with --count-ops; under compression (runs made before it was recorded lack it)
+    "peak_cuda_above_start_bytes",
+    "prefill_dispatched_ops",
+    "prefill_host_reads",
+    "compression_cpu_seconds",
+)
 
 
 def prompt_ids(tokenizer, length: int, seed: int = 0) -> list[int]:
@@ -93,8 +98,9 @@ def measure_ours(args: argparse.Namespace) -> list[dict]:
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
     with criticalkv.compress(model, args.single, args.budget) as compressor:
         timed_greedy(model, ids[:, : args.warmup_tokens], DynamicCache(config=model.config), args.warmup_steps)
+        clock = (lambda: compressor.compress_cpu_seconds) if compressor is not None else None
         results = [
-            timed_greedy(model, ids, DynamicCache(config=model.config), args.decode_steps)
+            timed_greedy(model, ids, DynamicCache(config=model.config), args.decode_steps, compression_clock=clock)
             for _ in range(args.runs_per_process)
         ]
         ops = count_prefill_ops(model, ids, DynamicCache(config=model.config)) if args.count_ops else {}
@@ -168,8 +174,11 @@ def summarise(runs: list[dict], lengths: list[int], methods: list[str], systems:
                     continue
                 row["prompt_tokens"] = mine[0]["prompt_tokens"]
                 row["repeats"] = len(mine)
-                keys = FIGURES + tuple(k for k in OPTIONAL_FIGURES if k in mine[0])
+                keys = FIGURES + tuple(k for k in OPTIONAL_FIGURES if all(k in r for r in mine))
                 row[system] = {k: statistics.median(r[k] for r in mine) for k in keys}
+                if "compression_cpu_seconds" in keys:  # the prefill's CPU time besides compressing, run by run
+                    rest = (r["ttft_cpu_seconds"] - r["compression_cpu_seconds"] for r in mine)
+                    row[system]["ttft_cpu_outside_compression_seconds"] = statistics.median(rest)
             if "repeats" in row:  # a partial report (a run stopped early) has no row for what never ran
                 rows.append(row)
     for row in rows:
@@ -189,6 +198,7 @@ def _one_line(r: dict) -> str:
         f"TTFT {r['ttft_seconds']:7.3f} s (CPU {r['ttft_cpu_seconds']:7.3f} s)  "
         f"decode {r['decode_ms_per_token_median']:7.2f} ms/tok (CPU {r['decode_cpu_ms_per_token_median']:7.2f})  "
         f"KV {r['kv_bytes'] / 2**20:6.1f} MiB  peak RSS +{r['peak_rss_above_start_bytes'] / 2**20:6.0f} MiB"
+        + (f"  compression {r['compression_cpu_seconds']:6.3f} CPU s" if "compression_cpu_seconds" in r else "")
     )
 
 

@@ -150,6 +150,7 @@ def timed_greedy(
     cache,
     decode_steps: int,
     prefill_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    compression_clock: Callable[[], float] | None = None,
 ) -> dict:
     """Prefill ``input_ids`` (1, t) into ``cache`` inside ``prefill_scope()``, then greedy-decode ``decode_steps``.
 
@@ -158,18 +159,21 @@ def timed_greedy(
 
     Returns time to first token (the prefill forward and its argmax) and each decode step's time, in wall and
     CPU seconds, with the decode medians; KV bytes and entries held right after the prefill; peak memory above
-    the start of the prefill; and the generated ids.
+    the start of the prefill; and the generated ids. With ``compression_clock`` (the CPU seconds the system has
+    spent compressing so far, a running total), also the part of the prefill's CPU time spent compressing.
     """
     device = input_ids.device
     name = _cache_argument(model)
     t = input_ids.shape[1]
     start_memory = reset_peak_memory(device)
+    compressed_before = compression_clock() if compression_clock else 0.0
     start, start_cpu = time.perf_counter(), time.process_time()
     with prefill_scope():
         out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{name: cache})
     token = out.logits[:, -1].argmax(-1)  # (1,)
     tokens = [int(token)]  # int() waits for the device
     ttft, ttft_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    compression = {"compression_cpu_seconds": compression_clock() - compressed_before} if compression_clock else {}
     cache = getattr(out, name)  # criticalkv swaps in its own cache at the prefill
     kv_bytes, kv_entries = held_kv(cache)
     steps, steps_cpu = [], []
@@ -193,5 +197,6 @@ def timed_greedy(
         "kv_bytes": kv_bytes,
         "kv_entries": kv_entries,
         **peak_memory_above(device, start_memory),
+        **compression,
         "generated": tokens,
     }

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from plot_benchmarks import answer_cells, fastest_table
+from plot_benchmarks import answer_cells, compression_table, fastest_table
 from quality_vs_kvpress import trim_at_eos
 from speed_memory import kvpress_ratio, run_child, summarise
 
@@ -59,6 +59,21 @@ def test_summarise_medians_fractions_and_ratios() -> None:
     assert snap["ratio_ours_over_kvpress"]["kv_bytes"] == pytest.approx(1.0)
     assert full["repeats"] == 3
     assert summarise(runs, [1024, 2048], ["full", "snapkv"], ["ours", "kvpress"]) == rows  # 2048 never ran
+
+
+def test_compression_time_summary_and_table() -> None:
+    """The compression figure is summarised only where every run recorded it; the rest of the prefill run by run."""
+    timed = [{**_run("ours", "snapkv", t, 200), "compression_cpu_seconds": c} for t, c in ((2.0, 0.5), (4.0, 0.1))]
+    timed.append({**_run("ours", "snapkv", 3.0, 200), "compression_cpu_seconds": 0.3})
+    theirs = [{**_run("kvpress", "snapkv", t, 200), "compression_cpu_seconds": 0.6} for t in (3.0, 3.0, 3.0)]
+    (row,) = summarise(timed + theirs, [1024], ["snapkv"], ["ours", "kvpress"])
+    assert row["ours"]["compression_cpu_seconds"] == pytest.approx(0.3)
+    assert row["ours"]["ttft_cpu_outside_compression_seconds"] == pytest.approx(2.7)  # of 1.5, 3.9, 2.7
+    assert row["ratio_ours_over_kvpress"]["compression_cpu_seconds"] == pytest.approx(0.5)
+    table = compression_table([row])
+    assert "| 1020 | snapkv | 0.300 | 0.600 | 0.500 | 2.70 | 2.40 | 1.125 |" in table
+    older = summarise(timed + theirs + [_run("ours", "snapkv", 3.0, 200)], [1024], ["snapkv"], ["ours", "kvpress"])
+    assert "compression_cpu_seconds" not in older[0]["ours"] and compression_table(older) == ""
 
 
 def test_gpu_benchmark_method_specs_and_summary() -> None:
@@ -179,6 +194,8 @@ def test_one_process_times_several_runs_of_the_same_generation(tmp_path: Path, t
     assert [r["run_in_process"] for r in runs] == [0, 1]
     assert runs[0]["generated"] == runs[1]["generated"] and len(runs[0]["generated"]) == 4
     assert runs[0]["kv_entries"] == runs[1]["kv_entries"] and runs[0]["method"] == "snapkv"
+    # each run's own compression time (the compressor's running total read around its prefill), inside its TTFT
+    assert all(0 < r["compression_cpu_seconds"] <= r["ttft_cpu_seconds"] for r in runs)
 
 
 def test_prefill_operator_count_sees_compression_and_host_reads(tiny_tokenizer) -> None:

@@ -4,7 +4,8 @@
 Runs INSIDE kvpress's virtual environment (setup_kvpress_env.sh), as its own process; it never imports criticalkv.
 It times exactly what criticalkv's side times, with the same code (benchmarks/timed_generation.py): a warm-up
 generation on the first tokens, then the prefill under the press and greedy decoding outside it, as kvpress's
-pipeline does. No recorder is installed, so kvpress runs its own code only.
+pipeline does. No recorder is installed, so kvpress runs its own code only. The CPU time of the press's forward
+hooks (reading the layer's cache, ``compress``, writing it back) is summed as its compression time.
 
     $VENV/bin/python benchmarks/kvpress/speed_kvpress.py --model FOLDER --input IDS.json --press snapkv \
         --compression-ratio 0.7998 --dtype bfloat16 --threads 1 --decode-steps 32
@@ -14,15 +15,40 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import platform
 import sys
+import time
 from importlib.metadata import version as dist_version
 from pathlib import Path
 
 from run_kvpress import PRESSES, add_model_and_press_options, build_press, load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for timed_generation
+
+
+class HookClock:
+    """Running total of the CPU seconds a press spends in its forward hooks (``wrap`` installs it on the press)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, press) -> None:
+        hook = press.forward_hook  # BasePress.__call__ registers this attribute on every attention layer
+
+        @functools.wraps(hook)
+        def timed(*args, **kwargs):
+            start = time.process_time()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                self.seconds += time.process_time() - start
+
+        press.forward_hook = timed
+
+    def __call__(self) -> float:
+        return self.seconds
 
 
 def main() -> None:
@@ -54,8 +80,15 @@ def main() -> None:
     model, _, patched = load_model(args, device)
     press = build_press(args, kvpress)
     scope = (lambda: press(model)) if press is not None else contextlib.nullcontext
+    clock = None
+    if press is not None:
+        clock = HookClock()
+        clock.wrap(press)
     timed_greedy(model, ids[:, : args.warmup_tokens], DynamicCache(), args.warmup_steps, scope)
-    results = [timed_greedy(model, ids, DynamicCache(), args.decode_steps, scope) for _ in range(args.runs_per_process)]
+    results = [
+        timed_greedy(model, ids, DynamicCache(), args.decode_steps, scope, compression_clock=clock)
+        for _ in range(args.runs_per_process)
+    ]
     ops = count_prefill_ops(model, ids, DynamicCache(), scope) if args.count_ops else {}
     shared = {
         "system": "kvpress",
