@@ -5,8 +5,10 @@
 
 Writes ``{tag}_time.png`` (time to first token and decode time per token against context length),
 ``{tag}_memory.png`` (peak memory above the start of the prefill and KV bytes held, against context length),
-``{tag}_ratios.png`` (ours/kvpress per method, figure and length) and, with ``--quality``, ``{tag}_quality.png``
-(answer agreement and RULER scores). ``--tables`` prints the Markdown tables of docs/benchmarks.md.
+``{tag}_ratios.png`` (ours/kvpress per method, figure and length), where the runs recorded it ``{tag}_compression.png``
+(the prefill's CPU time spent compressing, and the rest of it, against context length) and, with ``--quality``,
+``{tag}_quality.png`` (answer agreement and RULER scores). ``--tables`` prints the Markdown tables of
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -282,6 +284,13 @@ def main() -> None:
         _against_length(summary, memory_panels, f"{model}, budget {budget}: memory", written[-1])
         written.append(args.out_dir / f"{args.tag}_ratios.png")
         plot_ratios(summary, args.clock, f"{model}, budget {budget}: criticalkv / kvpress", written[-1])
+        if any("compression_cpu_seconds" in r.get("kvpress", {}) for r in summary):  # runs that recorded it
+            compression_panels = [
+                ("compression_cpu_seconds", "compression inside the prefill (CPU s)", 1.0),
+                ("ttft_cpu_outside_compression_seconds", "rest of the prefill (CPU s)", 1.0),
+            ]
+            written.append(args.out_dir / f"{args.tag}_compression.png")
+            _against_length(summary, compression_panels, f"{model}, budget {budget}: compression", written[-1])
         if args.tables:
             print(speed_tables(summary, args.clock), end="\n\n")
             print(fastest_table(report["runs"], args.clock), end="\n\n")
