@@ -9,7 +9,9 @@ environment and process (benchmarks/kvpress/speed_kvpress.py) on the same model 
 and the same timing code (benchmarks/timed_generation.py). Runs are interleaved (repeat, length, method,
 system), so a drift of the machine hits every method alike; the report gives medians and ours/kvpress ratios.
 Times are recorded twice: wall clock, and the process's CPU time, which (with ``--threads 1``) is the figure to
-read on a machine that other jobs share.
+read on a machine that other jobs share. Each compressed run also records the CPU time its system spent
+compressing inside the prefill (criticalkv's compressor; kvpress's forward hooks), the part of the time to first
+token in which the two systems differ; the report adds the rest of the prefill, run by run.
 
     OMP_NUM_THREADS=1 python benchmarks/speed_memory.py --model smollm2-135m --lengths 2048,4096,8192 \
         --repeats 5 --threads 1 --out results/speed_memory_smollm2.json

@@ -160,7 +160,8 @@ def timed_greedy(
     Returns time to first token (the prefill forward and its argmax) and each decode step's time, in wall and
     CPU seconds, with the decode medians; KV bytes and entries held right after the prefill; peak memory above
     the start of the prefill; and the generated ids. With ``compression_clock`` (the CPU seconds the system has
-    spent compressing so far, a running total), also the part of the prefill's CPU time spent compressing.
+    spent compressing so far, a running total), also the part of the prefill's CPU time spent compressing (host
+    time: on a GPU, where kernels run asynchronously, mostly their launches).
     """
     device = input_ids.device
     name = _cache_argument(model)
