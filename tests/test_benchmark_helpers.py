@@ -76,6 +76,28 @@ def test_compression_time_summary_and_table() -> None:
     assert "compression_cpu_seconds" not in older[0]["ours"] and compression_table(older) == ""
 
 
+def test_kvpress_hook_clock_sums_the_hooks_time_and_passes_their_results() -> None:
+    """kvpress's side: ``HookClock`` wraps a press's ``forward_hook`` (no kvpress needed: any object with one)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "kvpress"))
+    from speed_kvpress import HookClock
+
+    class Press:
+        def forward_hook(self, module, inputs, kwargs, output):
+            if output is None:
+                raise ValueError("no output")
+            return sum(i * i for i in range(200_000)) and output  # some CPU time, then the output unchanged
+
+    press, clock = Press(), HookClock()
+    clock.wrap(press)
+    assert clock() == 0.0
+    assert press.forward_hook(None, [], {}, "out") == "out"
+    first = clock()
+    assert first > 0
+    with pytest.raises(ValueError, match="no output"):
+        press.forward_hook(None, [], {}, None)
+    assert clock() >= first  # a hook that raises still counts
+
+
 def test_gpu_benchmark_method_specs_and_summary() -> None:
     from gpu_speed_memory import parse_spec
     from gpu_speed_memory import summarise as summarise_gpu
