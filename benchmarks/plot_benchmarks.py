@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -208,6 +209,33 @@ def fastest_table(runs: list[dict], clock: str) -> str:
     return "Fastest repeat, ours / kvpress:\n\n" + "\n".join(lines)
 
 
+def paired_table(runs: list[dict], clock: str) -> str:
+    """Markdown: ours/kvpress within each repeat (the two processes run one after the other, so a drift of the
+    machine between repeats cancels), their median and in how many repeats ours was the lower, per (length, method).
+    """
+    ttft, decode, label = CLOCKS[clock]
+    by_run = {(r["length"], r["method"], r["system"], r["repeat"], r.get("run_in_process", 0)): r for r in runs}
+    ratios: dict[tuple, dict[str, list[float]]] = {}
+    for (length, method, system, *run), ours in by_run.items():
+        theirs = by_run.get((length, method, "kvpress", *run))
+        if system != "ours" or theirs is None:
+            continue
+        cell = ratios.setdefault((length, method), {ttft: [], decode: []})
+        for key in cell:
+            cell[key].append(ours[key] / theirs[key])
+    lines = [
+        f"| prompt tokens | method | pairs | TTFT ratio, median ({label}) | ours lower | decode ratio, median "
+        f"({label}) | ours lower |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (length, method), cell in sorted(ratios.items(), key=lambda item: item[0][0]):  # by length, stable
+        row = [f"{length}", method, f"{len(cell[ttft])}"]
+        for key in (ttft, decode):
+            row += [f"{statistics.median(cell[key]):.3f}", f"{sum(x < 1 for x in cell[key])}"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "Within each repeat, ours / kvpress:\n\n" + "\n".join(lines)
+
+
 def answer_cells(ours: str, theirs: str, context: int = 20, width: int = 60) -> tuple[str, str]:
     """Two answers as Markdown table cells, each from ``context`` characters before their first difference.
 
@@ -294,6 +322,7 @@ def main() -> None:
         if args.tables:
             print(speed_tables(summary, args.clock), end="\n\n")
             print(fastest_table(report["runs"], args.clock), end="\n\n")
+            print(paired_table(report["runs"], args.clock), end="\n\n")
     if args.quality:
         report = json.loads(args.quality.read_text())
         written.append(args.out_dir / f"{args.tag}_quality.png")

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from plot_benchmarks import answer_cells, compression_table, fastest_table
+from plot_benchmarks import answer_cells, compression_table, fastest_table, paired_table
 from quality_vs_kvpress import trim_at_eos
 from speed_memory import kvpress_ratio, run_child, summarise
 
@@ -143,6 +143,32 @@ def test_fastest_table_takes_each_systems_fastest_repeat() -> None:
     ]
     rows = [line for line in fastest_table(runs, "cpu").splitlines() if line.startswith("| 2048")]
     assert rows == ["| 2048 | snapkv | 0.600 | 1.500 |"]
+
+
+def test_paired_table_divides_within_each_repeat() -> None:
+    def run(repeat: int, system: str, ttft: float, decode: float, method: str = "snapkv") -> dict:
+        return {
+            "repeat": repeat,
+            "length": 4096,
+            "method": method,
+            "system": system,
+            "ttft_cpu_seconds": ttft,
+            "decode_cpu_ms_per_token_median": decode,
+        }
+
+    # the machine slows down from repeat to repeat: medians of each system say 1.0, the pairs say ours is faster
+    runs = [
+        run(0, "ours", 9.0, 10.0),
+        run(0, "kvpress", 10.0, 10.0),
+        run(1, "ours", 19.0, 30.0),
+        run(1, "kvpress", 20.0, 20.0),
+        run(2, "ours", 29.0, 10.0),
+        run(2, "kvpress", 9.0, 20.0),
+        run(3, "ours", 10.0, 20.0),  # no kvpress run in repeat 3: not a pair
+        run(0, "ours", 1.0, 1.0, method="measured-snapkv"),  # no kvpress twin: no row
+    ]
+    rows = [line for line in paired_table(runs, "cpu").splitlines() if line.startswith("| 4096")]
+    assert rows == ["| 4096 | snapkv | 3 | 0.950 | 2 | 1.000 | 1 |"]
 
 
 def test_answer_cells_start_near_the_first_difference_on_one_line() -> None:
