@@ -58,6 +58,7 @@ OPTIONAL_FIGURES = (  # on a GPU; with --count-ops; under compression (runs made
     "prefill_dispatched_ops",
     "prefill_host_reads",
     "compression_cpu_seconds",
+    "prefill_minor_faults",
 )
 
 

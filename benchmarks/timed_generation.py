@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -159,7 +160,8 @@ def timed_greedy(
 
     Returns time to first token (the prefill forward and its argmax) and each decode step's time, in wall and
     CPU seconds, with the decode medians; KV bytes and entries held right after the prefill; peak memory above
-    the start of the prefill; and the generated ids. With ``compression_clock`` (the CPU seconds the system has
+    the start of the prefill; the minor page faults of the prefill (fresh memory the kernel mapped in, a cost in
+    its CPU time); and the generated ids. With ``compression_clock`` (the CPU seconds the system has
     spent compressing so far, a running total), also the part of the prefill's CPU time spent compressing (host
     time: on a GPU, where kernels run asynchronously, mostly their launches).
     """
@@ -168,12 +170,14 @@ def timed_greedy(
     t = input_ids.shape[1]
     start_memory = reset_peak_memory(device)
     compressed_before = compression_clock() if compression_clock else 0.0
+    faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # pages the kernel mapped in on first touch
     start, start_cpu = time.perf_counter(), time.process_time()
     with prefill_scope():
         out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{name: cache})
     token = out.logits[:, -1].argmax(-1)  # (1,)
     tokens = [int(token)]  # int() waits for the device
     ttft, ttft_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    prefill_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
     compression = {"compression_cpu_seconds": compression_clock() - compressed_before} if compression_clock else {}
     cache = getattr(out, name)  # criticalkv swaps in its own cache at the prefill
     kv_bytes, kv_entries = held_kv(cache)
@@ -191,6 +195,7 @@ def timed_greedy(
         "prompt_tokens": t,
         "ttft_seconds": ttft,
         "ttft_cpu_seconds": ttft_cpu,
+        "prefill_minor_faults": prefill_faults,
         "decode_seconds": steps,
         "decode_cpu_seconds": steps_cpu,
         "decode_ms_per_token_median": 1000 * statistics.median(steps) if steps else float("nan"),

@@ -244,6 +244,7 @@ def test_one_process_times_several_runs_of_the_same_generation(tmp_path: Path, t
     assert runs[0]["kv_entries"] == runs[1]["kv_entries"] and runs[0]["method"] == "snapkv"
     # each run's own compression time (the compressor's running total read around its prefill), inside its TTFT
     assert all(0 < r["compression_cpu_seconds"] <= r["ttft_cpu_seconds"] for r in runs)
+    assert all(isinstance(r["prefill_minor_faults"], int) and r["prefill_minor_faults"] >= 0 for r in runs)
 
 
 def test_prefill_operator_count_sees_compression_and_host_reads(tiny_tokenizer) -> None:
