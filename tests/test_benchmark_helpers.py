@@ -247,6 +247,30 @@ def test_one_process_times_several_runs_of_the_same_generation(tmp_path: Path, t
     assert all(isinstance(r["prefill_minor_faults"], int) and r["prefill_minor_faults"] >= 0 for r in runs)
 
 
+def test_prefill_page_faults_count_memory_first_touched_inside_the_prefill(tiny_tokenizer) -> None:
+    """``timed_greedy``'s fault count spans the prefill: 64 MiB written afresh inside it are faults it sees."""
+    import contextlib
+
+    import torch
+    from test_sweep import _tiny_model
+    from timed_generation import timed_greedy
+    from transformers import DynamicCache, LlamaConfig
+
+    torch.manual_seed(0)
+    model = _tiny_model(LlamaConfig, tiny_tokenizer)
+
+    @contextlib.contextmanager
+    def touch_fresh_memory():
+        fresh = torch.ones(16 * 2**20)  # 64 MiB: above glibc's largest mmap threshold, so new pages, all written
+        yield
+        del fresh
+
+    ids = torch.randint(2, len(tiny_tokenizer), (1, 32))
+    result = timed_greedy(model, ids, DynamicCache(config=model.config), 1, prefill_scope=touch_fresh_memory)
+    # 16384 pages of 4 KiB; 32 if the kernel backs them with 2 MiB pages: at least that many either way
+    assert result["prefill_minor_faults"] >= 32
+
+
 def test_prefill_operator_count_sees_compression_and_host_reads(tiny_tokenizer) -> None:
     """The full cache's prefill reads nothing back to the host; compression adds operators and host reads."""
     import torch
