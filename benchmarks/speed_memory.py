@@ -138,7 +138,7 @@ def source_digest() -> str:
 
 
 def run_child(command: list[str], allocator: str) -> dict:
-    """Run one measurement process; ``allocator`` "mmap" or "glibc" (``timed_generation.child_environment``)."""
+    """Run one measurement process; ``allocator`` one of ``timed_generation.ALLOCATORS`` (``child_environment``)."""
     done = subprocess.run(command, capture_output=True, text=True, env=child_environment(allocator))
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")
@@ -285,7 +285,8 @@ def main() -> None:
         default="mmap",
         help="mmap: every tensor buffer mmapped and returned on free, so peak RSS is live memory (the page faults "
         "add CPU time, more to the method that allocates more); glibc: its defaults, for times (peak RSS then "
-        "includes what the allocator retains)",
+        "includes what the allocator retains); retain: nothing mmapped or trimmed, so a run after one of the same "
+        "length maps no fresh pages (times without page faults; pair with --warmup-tokens at the prompt's length)",
     )
     parser.add_argument("--resume", action="store_true", help="keep the runs already in --out, run the rest")
     parser.add_argument(

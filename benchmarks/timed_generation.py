@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ALLOCATORS = ("mmap", "glibc")  # settings of glibc's allocator for a measurement process (child_environment)
+ALLOCATORS = ("mmap", "glibc", "retain")  # settings of glibc's allocator for a measurement process (child_environment)
 HOST_READS = ("_local_scalar_dense", "nonzero", "is_nonzero", "equal")  # operators whose result the host waits for
 MASK_INDEXING = ("index", "index_put", "index_put_")  # with a boolean index these count its True entries first
+_RETAIN = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**62)}  # glibc: never mmap, never trim
 
 
 def child_environment(allocator: str = "mmap") -> dict[str, str]:
@@ -43,14 +44,22 @@ def child_environment(allocator: str = "mmap") -> dict[str, str]:
     "mmap": glibc keeps freed large blocks in its heap unless they were mmapped; with a 64 KiB threshold (or the one
     already set) every tensor buffer is mmapped and returned on free, so peak RSS measures live memory, not the
     allocator's retention, at the cost of page faults that add CPU time. "glibc": its defaults, for times.
+    "retain": no buffer is mmapped and the heap is never trimmed, so freed memory stays in the process and a prefill
+    after one of the same length maps no fresh pages: times without the kernel's page zeroing, whose amount under
+    the defaults depends on the order of allocations and frees and moves from process to process (peak RSS is then
+    retention).
     """
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator!r}")
     env = dict(os.environ)
+    for name in _RETAIN:
+        env.pop(name, None)
     if allocator == "mmap":
         env["MALLOC_MMAP_THRESHOLD_"] = env.get("MALLOC_MMAP_THRESHOLD_", "65536")
-    else:
-        env.pop("MALLOC_MMAP_THRESHOLD_", None)
+        return env
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if allocator == "retain":
+        env.update(_RETAIN)
     return env
 
 

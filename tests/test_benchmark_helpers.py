@@ -183,13 +183,18 @@ def test_answer_cells_start_near_the_first_difference_on_one_line() -> None:
 
 
 def test_allocator_setting_reaches_the_measurement_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    show = [sys.executable, "-c", "import json, os; print(json.dumps(os.environ.get('MALLOC_MMAP_THRESHOLD_')))"]
-    assert run_child(show, "mmap") == "65536"
-    assert run_child(show, "glibc") is None
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.delenv(name, raising=False)
+    names = "('MALLOC_MMAP_THRESHOLD_', 'MALLOC_MMAP_MAX_', 'MALLOC_TRIM_THRESHOLD_')"
+    show = [sys.executable, "-c", f"import json, os; print(json.dumps([os.environ.get(n) for n in {names}]))"]
+    assert run_child(show, "mmap") == ["65536", None, None]
+    assert run_child(show, "glibc") == [None, None, None]
+    assert run_child(show, "retain") == [None, "0", str(2**62)]  # never mmapped, never trimmed
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
-    assert run_child(show, "mmap") == "131072"  # a threshold the user set is kept
-    assert run_child(show, "glibc") is None
+    assert run_child(show, "mmap") == ["131072", None, None]  # a threshold the user set is kept
+    assert run_child(show, "glibc") == [None, None, None]
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")  # a retain setting of the caller's own does not leak into mmap
+    assert run_child(show, "mmap") == ["131072", None, None]
     with pytest.raises(ValueError, match="allocator"):
         run_child(show, "jemalloc")
 
