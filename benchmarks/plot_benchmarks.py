@@ -191,6 +191,29 @@ def compression_table(summary: list[dict]) -> str:
     return "\n\nCompression inside the prefill (CPU time, medians over the runs):\n\n" + "\n".join(lines)
 
 
+def phase_table(summary: list[dict]) -> str:
+    """Markdown: the prefill's CPU seconds per phase (medians), criticalkv against kvpress; empty without phases."""
+    phases = ("attention", "mlp", "compression", "other")
+    lines = []
+    for row in summary:
+        if "ours" not in row or "kvpress" not in row or "phase_other_cpu_seconds" not in row["ours"]:
+            continue
+        cells = []
+        for phase in phases:
+            key = f"phase_{phase}_cpu_seconds"
+            ours, theirs = row["ours"].get(key), row["kvpress"].get(key)
+            if ours is None or theirs is None:
+                cells.append("–")
+                continue
+            ratio = f" ({ours / theirs:.3f})" if theirs else ""
+            cells.append(f"{ours:.3f} / {theirs:.3f}{ratio}")
+        lines.append(f"| {row['prompt_tokens']} | {row['method']} | " + " | ".join(cells) + " |")
+    if not lines:
+        return ""
+    header = "| prompt tokens | method | " + " | ".join(f"{p}: ours / kvpress CPU s" for p in phases) + " |"
+    return "\n".join([header, "|---|---|" + "---|" * len(phases), *lines])
+
+
 def fastest_table(runs: list[dict], clock: str) -> str:
     """Markdown: ours/kvpress of the fastest repeat (the one least slowed by the machine) per (length, method)."""
     ttft, decode, label = CLOCKS[clock]
@@ -323,6 +346,8 @@ def main() -> None:
             print(speed_tables(summary, args.clock), end="\n\n")
             print(fastest_table(report["runs"], args.clock), end="\n\n")
             print(paired_table(report["runs"], args.clock), end="\n\n")
+            if phases := phase_table(summary):
+                print(phases, end="\n\n")
     if args.quality:
         report = json.loads(args.quality.read_text())
         written.append(args.out_dir / f"{args.tag}_quality.png")

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from timed_generation import ALLOCATORS, child_environment, count_prefill_ops, timed_greedy
+from timed_generation import ALLOCATORS, PhaseClock, child_environment, count_prefill_ops, timed_greedy
 
 HERE = Path(__file__).resolve().parent
 VENV = Path(os.environ.get("CRITICALKV_KVPRESS_VENV", Path.home() / ".cache/criticalkv/kvpress-venv"))
@@ -99,11 +99,22 @@ def measure_ours(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     ids = torch.tensor(json.loads(args.ids.read_text())["input_ids"], dtype=torch.long, device=device)
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
+    phases = PhaseClock(model) if args.phases else None
     with criticalkv.compress(model, args.single, args.budget) as compressor:
+        if phases is not None and compressor is not None:  # the compression clock's two steps
+            phases.wrap(compressor, "compress_layer", "compression")  # each layer, inside its attention function
+            phases.wrap(compressor, "finish_deferred", "compression")  # a deferred method's, at the end
         timed_greedy(model, ids[:, : args.warmup_tokens], DynamicCache(config=model.config), args.warmup_steps)
         clock = (lambda: compressor.compress_cpu_seconds) if compressor is not None else None
         results = [
-            timed_greedy(model, ids, DynamicCache(config=model.config), args.decode_steps, compression_clock=clock)
+            timed_greedy(
+                model,
+                ids,
+                DynamicCache(config=model.config),
+                args.decode_steps,
+                compression_clock=clock,
+                phase_clock=phases,
+            )
             for _ in range(args.runs_per_process)
         ]
         ops = count_prefill_ops(model, ids, DynamicCache(config=model.config)) if args.count_ops else {}
@@ -152,6 +163,7 @@ def run_process(
     shared = ["--threads", str(args.threads), "--decode-steps", str(args.decode_steps), "--device", args.device]
     shared += ["--warmup-tokens", str(args.warmup_tokens), "--warmup-steps", str(args.warmup_steps)]
     shared += ["--runs-per-process", str(args.runs_per_process)] + (["--count-ops"] if args.count_ops else [])
+    shared += ["--phases"] if args.phases else []
     if system == "ours":
         command = [sys.executable, __file__, "--single", method, "--ids", str(ids_file), "--model", args.model]
         command += ["--budget", args.budget, "--dtype", args.dtype]
@@ -182,6 +194,8 @@ def summarise(runs: list[dict], lengths: list[int], methods: list[str], systems:
                 if "compression_cpu_seconds" in keys:  # the prefill's CPU time besides compressing, run by run
                     rest = (r["ttft_cpu_seconds"] - r["compression_cpu_seconds"] for r in mine)
                     row[system]["ttft_cpu_outside_compression_seconds"] = statistics.median(rest)
+                if all("prefill_phases" in r for r in mine):
+                    row[system].update(phase_medians(mine))
             if "repeats" in row:  # a partial report (a run stopped early) has no row for what never ran
                 rows.append(row)
     for row in rows:
@@ -194,6 +208,21 @@ def summarise(runs: list[dict], lengths: list[int], methods: list[str], systems:
                 k: row["ours"][k] / row["kvpress"][k] for k in row["ours"] if k in row["kvpress"] and row["kvpress"][k]
             }
     return rows
+
+
+def phase_medians(runs: list[dict]) -> dict[str, float]:
+    """Medians of each phase's CPU seconds and faults (``phase_attention_cpu_seconds``, ...), and of the prefill's CPU
+    time no phase covers (``phase_other_cpu_seconds``: embeddings, norms, mask, rotary tables, head)."""
+    names = sorted({name for r in runs for name in r["prefill_phases"]})
+    out = {}
+    for name in names:
+        for figure in ("cpu_seconds", "minor_faults"):
+            out[f"phase_{name}_{figure}"] = statistics.median(
+                r["prefill_phases"].get(name, {}).get(figure, 0) for r in runs
+            )
+    other = (r["ttft_cpu_seconds"] - sum(p["cpu_seconds"] for p in r["prefill_phases"].values()) for r in runs)
+    out["phase_other_cpu_seconds"] = statistics.median(other)
+    return out
 
 
 def _one_line(r: dict) -> str:
@@ -294,6 +323,12 @@ def main() -> None:
         action="store_true",
         help="after the timed runs, count the operators of one more prefill and those the host waits for "
         "(timed_generation.count_prefill_ops)",
+    )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="split each timed prefill's CPU time and page faults into attention, MLP and compression "
+        "(timed_generation.PhaseClock; hooks on every layer, on both sides)",
     )
     parser.add_argument("--single", help=argparse.SUPPRESS)  # internal: one run of one method in this process
     parser.add_argument("--ids", type=Path, help=argparse.SUPPRESS)  # internal: the token ids of that run

@@ -13,6 +13,9 @@ each a wait for the GPU.
 On a small model on a GPU the prefill is bound by these launches, not by arithmetic: the count explains times
 that the arithmetic does not, and it can be taken on a CPU.
 
+Phases (``PhaseClock``): the prefill's CPU time and minor page faults split into each layer's attention module,
+its MLP and the system's compression, on both sides through the same hooks.
+
 Memory: peak resident set size (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``) above the RSS just before
 the prefill, and on a GPU the peak of ``torch.cuda.max_memory_allocated`` above what was allocated then. Run the
 process in ``child_environment("mmap")`` so that freed tensors leave the process and RSS tracks live memory.
@@ -148,6 +151,66 @@ def count_prefill_ops(
     return {"prefill_dispatched_ops": counter.total, "prefill_host_reads": counter.host_reads}
 
 
+PHASE_MODULES = {"self_attn": "attention", "mlp": "mlp"}  # decoder-layer submodules by their attribute name
+
+
+def _usage() -> tuple[float, int]:
+    return time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+class PhaseClock:
+    """CPU seconds and minor page faults of a forward, split into phases: each decoder layer's attention module and
+    MLP (``PHASE_MODULES``), and whatever ``wrap`` adds (a system's compression). Exclusive: a phase that runs inside
+    another (criticalkv compresses inside the attention function, kvpress in a hook after the module, registered
+    later than this clock's) is counted in its own phase only. What no phase covers (embeddings, norms, the mask,
+    rotary tables, the head) is the prefill's total less their sum.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._stack: list[list] = []  # [phase, cpu at entry, faults at entry, cpu of nested phases, their faults]
+        self.totals: dict[str, list] = {}
+        for name, module in model.named_modules():
+            phase = PHASE_MODULES.get(name.rsplit(".", 1)[-1])
+            if phase is not None:
+                module.register_forward_pre_hook(lambda *_, p=phase: self._enter(p))
+                module.register_forward_hook(lambda *_: self._exit())
+
+    def wrap(self, owner: object, attribute: str, phase: str) -> None:
+        """Count the calls of ``owner.attribute`` (a method or a hook the owner installs later) as ``phase``."""
+        inner = getattr(owner, attribute)
+
+        def counted(*args, **kwargs):
+            self._enter(phase)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._exit()
+
+        setattr(owner, attribute, counted)
+
+    def reset(self) -> None:
+        self.totals = {}
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """Per phase: CPU seconds, minor faults and calls since ``reset``."""
+        return {phase: {"cpu_seconds": c, "minor_faults": f, "calls": n} for phase, (c, f, n) in self.totals.items()}
+
+    def _enter(self, phase: str) -> None:
+        self._stack.append([phase, *_usage(), 0.0, 0])
+
+    def _exit(self) -> None:
+        phase, cpu, faults, nested_cpu, nested_faults = self._stack.pop()
+        now_cpu, now_faults = _usage()
+        spent, faulted = now_cpu - cpu, now_faults - faults
+        total = self.totals.setdefault(phase, [0.0, 0, 0])
+        total[0] += spent - nested_cpu
+        total[1] += faulted - nested_faults
+        total[2] += 1
+        if self._stack:
+            self._stack[-1][3] += spent
+            self._stack[-1][4] += faulted
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -161,6 +224,7 @@ def timed_greedy(
     decode_steps: int,
     prefill_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     compression_clock: Callable[[], float] | None = None,
+    phase_clock: PhaseClock | None = None,
 ) -> dict:
     """Prefill ``input_ids`` (1, t) into ``cache`` inside ``prefill_scope()``, then greedy-decode ``decode_steps``.
 
@@ -172,13 +236,16 @@ def timed_greedy(
     the start of the prefill; the minor page faults of the prefill (fresh memory the kernel mapped in, a cost in
     its CPU time); and the generated ids. With ``compression_clock`` (the CPU seconds the system has
     spent compressing so far, a running total), also the part of the prefill's CPU time spent compressing (host
-    time: on a GPU, where kernels run asynchronously, mostly their launches).
+    time: on a GPU, where kernels run asynchronously, mostly their launches). With ``phase_clock``, also the prefill's
+    CPU time and faults per phase (``prefill_phases``; CPU clocks: on a GPU, host time).
     """
     device = input_ids.device
     name = _cache_argument(model)
     t = input_ids.shape[1]
     start_memory = reset_peak_memory(device)
     compressed_before = compression_clock() if compression_clock else 0.0
+    if phase_clock is not None:
+        phase_clock.reset()
     faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # pages the kernel mapped in on first touch
     start, start_cpu = time.perf_counter(), time.process_time()
     with prefill_scope():
@@ -188,6 +255,7 @@ def timed_greedy(
     ttft, ttft_cpu = time.perf_counter() - start, time.process_time() - start_cpu
     prefill_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
     compression = {"compression_cpu_seconds": compression_clock() - compressed_before} if compression_clock else {}
+    phases = {"prefill_phases": phase_clock.snapshot()} if phase_clock is not None else {}
     cache = getattr(out, name)  # criticalkv swaps in its own cache at the prefill
     kv_bytes, kv_entries = held_kv(cache)
     steps, steps_cpu = [], []
@@ -213,5 +281,6 @@ def timed_greedy(
         "kv_entries": kv_entries,
         **peak_memory_above(device, start_memory),
         **compression,
+        **phases,
         "generated": tokens,
     }

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from plot_benchmarks import answer_cells, compression_table, fastest_table, paired_table
+from plot_benchmarks import answer_cells, compression_table, fastest_table, paired_table, phase_table
 from quality_vs_kvpress import trim_at_eos
 from speed_memory import kvpress_ratio, run_child, summarise
 
@@ -59,6 +59,27 @@ def test_summarise_medians_fractions_and_ratios() -> None:
     assert snap["ratio_ours_over_kvpress"]["kv_bytes"] == pytest.approx(1.0)
     assert full["repeats"] == 3
     assert summarise(runs, [1024, 2048], ["full", "snapkv"], ["ours", "kvpress"]) == rows  # 2048 never ran
+
+
+def test_phase_medians_and_table() -> None:
+    """Per-phase medians run by run, the time no phase covers, and the table of both systems side by side."""
+
+    def phased(system: str, ttft: float, attention: float, compression: float | None) -> dict:
+        phases = {"attention": {"cpu_seconds": attention, "minor_faults": 10}, "mlp": {"cpu_seconds": 1.0}}
+        phases["mlp"]["minor_faults"] = 20
+        if compression is not None:
+            phases["compression"] = {"cpu_seconds": compression, "minor_faults": 0}
+        return {**_run(system, "snapkv", ttft, 200), "prefill_phases": phases}
+
+    runs = [phased("ours", 2.0, 0.5, 0.1), phased("ours", 2.4, 0.7, 0.1), phased("ours", 2.2, 0.9, 0.1)]
+    runs += [phased("kvpress", 2.5, 0.8, 0.2)]
+    (row,) = summarise(runs, [1024], ["snapkv"], ["ours", "kvpress"])
+    assert row["ours"]["phase_attention_cpu_seconds"] == 0.7 and row["ours"]["phase_mlp_minor_faults"] == 20
+    assert row["ours"]["phase_other_cpu_seconds"] == pytest.approx(0.4)  # 2.0-1.6, 2.4-1.8, 2.2-2.0: median 0.4
+    assert row["kvpress"]["phase_other_cpu_seconds"] == pytest.approx(0.5)
+    table = phase_table([row])
+    assert "| 1020 | snapkv | 0.700 / 0.800 (0.875) | 1.000 / 1.000 (1.000) | 0.100 / 0.200 (0.500) |" in table
+    assert phase_table(summarise(runs[:1], [1024], ["snapkv"], ["ours", "kvpress"])) == ""  # no kvpress row
 
 
 def test_compression_time_summary_and_table() -> None:
@@ -297,3 +318,77 @@ def test_prefill_operator_count_sees_compression_and_host_reads(tiny_tokenizer) 
     # per compressed layer two (the top-k width, the kept counts), and per forward three (the budget's check, the
     # plan's rows kept whole, the padding): facts of the mask are computed once per forward, not per layer
     assert 2 <= snap["prefill_host_reads"] <= 2 * config.num_hidden_layers + 3
+
+
+def test_phase_clock_counts_a_nested_phase_in_its_own_phase_only() -> None:
+    """A step wrapped as its own phase inside an attention module (criticalkv compresses there) leaves that module's
+    phase: its CPU time and the 64 MiB it writes afresh are the step's, and each phase counts its calls."""
+    import time
+
+    import torch
+    from timed_generation import PhaseClock
+    from torch import nn
+
+    class Step:
+        def run(self) -> None:
+            fresh = torch.ones(16 * 2**20)  # 64 MiB written afresh: pages the kernel maps in
+            start = time.process_time()
+            while time.process_time() - start < 0.05:
+                pass
+            del fresh
+
+    step = Step()
+
+    class Attention(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            step.run()
+            return x
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.self_attn, self.mlp = Attention(), nn.Identity()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mlp(self.self_attn(x))
+
+    model = nn.Sequential(Layer(), Layer())
+    clock = PhaseClock(model)
+    clock.wrap(step, "run", "compression")
+    model(torch.zeros(3))
+    phases = clock.snapshot()
+    assert {phase: p["calls"] for phase, p in phases.items()} == {"attention": 2, "mlp": 2, "compression": 2}
+    assert phases["compression"]["cpu_seconds"] >= 0.1
+    assert phases["attention"]["cpu_seconds"] < 0.02  # the modules themselves do nothing
+    assert phases["compression"]["minor_faults"] >= 64  # 2 x 16384 pages of 4 KiB, or 2 x 32 of 2 MiB
+    assert phases["attention"]["minor_faults"] < phases["compression"]["minor_faults"] / 4
+    clock.reset()
+    assert clock.snapshot() == {}
+
+
+def test_timed_prefill_splits_into_phases_with_compression_apart(tiny_tokenizer) -> None:
+    """With a phase clock, each layer's attention and MLP are counted once per prefill and the compression apart;
+    the phases fit inside the prefill's CPU time."""
+    import torch
+    from test_sweep import _tiny_model
+    from timed_generation import PhaseClock, timed_greedy
+    from transformers import DynamicCache, LlamaConfig
+
+    import criticalkv
+
+    torch.manual_seed(0)
+    model = _tiny_model(LlamaConfig, tiny_tokenizer)
+    layers = model.config.num_hidden_layers
+    clock = PhaseClock(model)
+    ids = torch.randint(2, len(tiny_tokenizer), (1, 96))
+    with criticalkv.compress(model, "snapkv", 0.5) as compressor:
+        clock.wrap(compressor, "compress_layer", "compression")
+        result = timed_greedy(model, ids, DynamicCache(config=model.config), 2, phase_clock=clock)
+    phases = result["prefill_phases"]
+    assert {phase: p["calls"] for phase, p in phases.items()} == {
+        "attention": layers,
+        "mlp": layers,
+        "compression": layers,
+    }  # the prefill only: the two decode steps are not in it
+    assert sum(p["cpu_seconds"] for p in phases.values()) <= result["ttft_cpu_seconds"]
+    assert all(p["cpu_seconds"] > 0 for p in phases.values())

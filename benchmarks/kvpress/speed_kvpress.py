@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--runs-per-process", type=int, default=1, help="timed runs after the warm-up")
     parser.add_argument("--count-ops", action="store_true", help="count the operators of one more prefill")
+    parser.add_argument("--phases", action="store_true", help="split each prefill into phases (PhaseClock)")
     args = parser.parse_args()
     if "criticalkv" in sys.modules:
         raise SystemExit("speed_kvpress.py must not run in criticalkv's environment")
@@ -69,7 +70,7 @@ def main() -> None:
     import kvpress
     import torch
     import transformers
-    from timed_generation import count_prefill_ops, timed_greedy
+    from timed_generation import PhaseClock, count_prefill_ops, timed_greedy
     from transformers import DynamicCache
 
     transformers.utils.logging.disable_progress_bar()
@@ -81,12 +82,15 @@ def main() -> None:
     press = build_press(args, kvpress)
     scope = (lambda: press(model)) if press is not None else contextlib.nullcontext
     clock = None
+    phases = PhaseClock(model) if args.phases else None  # its hooks come before the press's, added at each prefill
     if press is not None:
         clock = HookClock()
         clock.wrap(press)
+        if phases is not None:
+            phases.wrap(press, "forward_hook", "compression")
     timed_greedy(model, ids[:, : args.warmup_tokens], DynamicCache(), args.warmup_steps, scope)
     results = [
-        timed_greedy(model, ids, DynamicCache(), args.decode_steps, scope, compression_clock=clock)
+        timed_greedy(model, ids, DynamicCache(), args.decode_steps, scope, compression_clock=clock, phase_clock=phases)
         for _ in range(args.runs_per_process)
     ]
     ops = count_prefill_ops(model, ids, DynamicCache(), scope) if args.count_ops else {}
