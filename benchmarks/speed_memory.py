@@ -11,7 +11,11 @@ system), so a drift of the machine hits every method alike; the report gives med
 Times are recorded twice: wall clock, and the process's CPU time, which (with ``--threads 1``) is the figure to
 read on a machine that other jobs share. Each compressed run also records the CPU time its system spent
 compressing inside the prefill (criticalkv's compressor; kvpress's forward hooks), the part of the time to first
-token in which the two systems differ; the report adds the rest of the prefill, run by run.
+token in which the two systems differ; the report adds the rest of the prefill, run by run. With ``--phases``
+the prefill also splits into each layer's attention module, its MLP and the compression (CPU time and page
+faults, ``timed_generation.PhaseClock``). ``--allocator`` sets glibc's allocator in every measurement process:
+``mmap`` for peak memory, ``glibc`` (its defaults) or ``retain`` (no page faults in a run after one of the same
+length, as with ``--warmup-tokens`` at the prompt's length) for times.
 
     OMP_NUM_THREADS=1 python benchmarks/speed_memory.py --model smollm2-135m --lengths 2048,4096,8192 \
         --repeats 5 --threads 1 --out results/speed_memory_smollm2.json
