@@ -232,17 +232,23 @@ def fastest_table(runs: list[dict], clock: str) -> str:
     return "Fastest repeat, ours / kvpress:\n\n" + "\n".join(lines)
 
 
+def _pairs(runs: list[dict]):
+    """(length, method, ours, kvpress's) for each run of ours with a kvpress twin: the same length, method, repeat
+    and run in its process."""
+    by_run = {(r["length"], r["method"], r["system"], r["repeat"], r.get("run_in_process", 0)): r for r in runs}
+    for (length, method, system, *run), ours in by_run.items():
+        theirs = by_run.get((length, method, "kvpress", *run))
+        if system == "ours" and theirs is not None:
+            yield length, method, ours, theirs
+
+
 def paired_table(runs: list[dict], clock: str) -> str:
     """Markdown: ours/kvpress within each repeat (the two processes run one after the other, so a drift of the
     machine between repeats cancels), their median and in how many repeats ours was the lower, per (length, method).
     """
     ttft, decode, label = CLOCKS[clock]
-    by_run = {(r["length"], r["method"], r["system"], r["repeat"], r.get("run_in_process", 0)): r for r in runs}
     ratios: dict[tuple, dict[str, list[float]]] = {}
-    for (length, method, system, *run), ours in by_run.items():
-        theirs = by_run.get((length, method, "kvpress", *run))
-        if system != "ours" or theirs is None:
-            continue
+    for length, method, ours, theirs in _pairs(runs):
         cell = ratios.setdefault((length, method), {ttft: [], decode: []})
         for key in cell:
             cell[key].append(ours[key] / theirs[key])
@@ -257,6 +263,37 @@ def paired_table(runs: list[dict], clock: str) -> str:
             row += [f"{statistics.median(cell[key]):.3f}", f"{sum(x < 1 for x in cell[key])}"]
         lines.append("| " + " | ".join(row) + " |")
     return "Within each repeat, ours / kvpress:\n\n" + "\n".join(lines)
+
+
+def gauged_table(runs: list[dict]) -> str:
+    """Markdown: within each repeat, ours/kvpress of the prefill's CPU time per CPU second of its MLP phase, and of
+    the attention phase per MLP second; empty without phases.
+
+    The MLP is the same code on the same shapes in both systems and under every method, so its time gauges how fast
+    the machine ran that process: dividing by it removes the speed differences between processes that the raw
+    ratio carries (it assumes they slow every phase alike)."""
+    ratios: dict[tuple, dict[str, list[float]]] = {}
+    for length, method, ours, theirs in _pairs(runs):
+        if "prefill_phases" not in ours or "prefill_phases" not in theirs:
+            continue
+        mine, other = ours["prefill_phases"], theirs["prefill_phases"]
+        gauge = mine["mlp"]["cpu_seconds"] / other["mlp"]["cpu_seconds"]
+        cell = ratios.setdefault((length, method), {"ttft": [], "attention": []})
+        cell["ttft"].append(ours["ttft_cpu_seconds"] / theirs["ttft_cpu_seconds"] / gauge)
+        cell["attention"].append(mine["attention"]["cpu_seconds"] / other["attention"]["cpu_seconds"] / gauge)
+    if not ratios:
+        return ""
+    lines = [
+        "| prompt tokens | method | pairs | TTFT per MLP second, median | ours lower | attention per MLP second, "
+        "median | ours lower |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (length, method), cell in sorted(ratios.items(), key=lambda item: item[0][0]):
+        row = [f"{length}", method, f"{len(cell['ttft'])}"]
+        for key in ("ttft", "attention"):
+            row += [f"{statistics.median(cell[key]):.4f}", f"{sum(x < 1 for x in cell[key])}"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "Within each repeat, ours / kvpress per CPU second of the MLP phase (CPU time):\n\n" + "\n".join(lines)
 
 
 def answer_cells(ours: str, theirs: str, context: int = 20, width: int = 60) -> tuple[str, str]:
@@ -346,8 +383,9 @@ def main() -> None:
             print(speed_tables(summary, args.clock), end="\n\n")
             print(fastest_table(report["runs"], args.clock), end="\n\n")
             print(paired_table(report["runs"], args.clock), end="\n\n")
-            if phases := phase_table(summary):
-                print(phases, end="\n\n")
+            for table in (phase_table(summary), gauged_table(report["runs"])):
+                if table:
+                    print(table, end="\n\n")
     if args.quality:
         report = json.loads(args.quality.read_text())
         written.append(args.out_dir / f"{args.tag}_quality.png")

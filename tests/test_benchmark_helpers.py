@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from plot_benchmarks import answer_cells, compression_table, fastest_table, paired_table, phase_table
+from plot_benchmarks import (
+    answer_cells,
+    compression_table,
+    fastest_table,
+    gauged_table,
+    paired_table,
+    phase_table,
+)
 from quality_vs_kvpress import trim_at_eos
 from speed_memory import kvpress_ratio, run_child, summarise
 
@@ -80,6 +87,22 @@ def test_phase_medians_and_table() -> None:
     table = phase_table([row])
     assert "| 1020 | snapkv | 0.700 / 0.800 (0.875) | 1.000 / 1.000 (1.000) | 0.100 / 0.200 (0.500) |" in table
     assert phase_table(summarise(runs[:1], [1024], ["snapkv"], ["ours", "kvpress"])) == ""  # no kvpress row
+
+
+def test_gauged_table_divides_each_pair_by_its_mlp_ratio() -> None:
+    """Each pair's ratio is divided by its MLP's ratio (a process of ours whose MLP ran 10% slower is judged against
+    a machine 10% slower); the median over the pairs and how many are below 1; a pair without phases is left out."""
+
+    def run(system: str, repeat: int, ttft: float, attention: float, mlp: float) -> dict:
+        phases = {"attention": {"cpu_seconds": attention}, "mlp": {"cpu_seconds": mlp}}
+        return {**_run(system, "snapkv", ttft, 200), "repeat": repeat, "prefill_phases": phases}
+
+    runs = [run("ours", 0, 2.3, 0.9, 1.1), run("kvpress", 0, 2.0, 0.8, 1.0)]  # its MLP 10% slower
+    runs += [run("ours", 1, 1.9, 0.76, 1.0), run("kvpress", 1, 2.0, 0.8, 1.0)]  # 5% faster, the MLP even
+    runs += [{**_run("ours", "snapkv", 1.0, 200), "repeat": 2}, {**_run("kvpress", "snapkv", 9.0, 200), "repeat": 2}]
+    table = gauged_table(runs)
+    assert "| 1024 | snapkv | 2 | 0.9977 | 1 | 0.9864 | 1 |" in table  # 1.045 and 0.95; 1.023 and 0.95
+    assert gauged_table(runs[4:]) == ""
 
 
 def test_compression_time_summary_and_table() -> None:
