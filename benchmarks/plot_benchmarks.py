@@ -257,12 +257,19 @@ def paired_table(runs: list[dict], clock: str) -> str:
         f"({label}) | ours lower |",
         "|---|---|---|---|---|---|---|",
     ]
-    for (length, method), cell in sorted(ratios.items(), key=lambda item: item[0][0]):  # by length, stable
-        row = [f"{length}", method, f"{len(cell[ttft])}"]
-        for key in (ttft, decode):
-            row += [f"{statistics.median(cell[key]):.3f}", f"{sum(x < 1 for x in cell[key])}"]
-        lines.append("| " + " | ".join(row) + " |")
+    lines += _median_rows(ratios, (ttft, decode), digits=3)
     return "Within each repeat, ours / kvpress:\n\n" + "\n".join(lines)
+
+
+def _median_rows(ratios: dict[tuple, dict[str, list[float]]], keys: tuple[str, ...], digits: int) -> list[str]:
+    """Markdown rows by length (stable): the pairs, then per key the median ratio and how many are below 1."""
+    rows = []
+    for (length, method), cell in sorted(ratios.items(), key=lambda item: item[0][0]):
+        row = [f"{length}", method, f"{len(cell[keys[0]])}"]
+        for key in keys:
+            row += [f"{statistics.median(cell[key]):.{digits}f}", f"{sum(x < 1 for x in cell[key])}"]
+        rows.append("| " + " | ".join(row) + " |")
+    return rows
 
 
 def gauged_table(runs: list[dict]) -> str:
@@ -288,11 +295,7 @@ def gauged_table(runs: list[dict]) -> str:
         "median | ours lower |",
         "|---|---|---|---|---|---|---|",
     ]
-    for (length, method), cell in sorted(ratios.items(), key=lambda item: item[0][0]):
-        row = [f"{length}", method, f"{len(cell['ttft'])}"]
-        for key in ("ttft", "attention"):
-            row += [f"{statistics.median(cell[key]):.4f}", f"{sum(x < 1 for x in cell[key])}"]
-        lines.append("| " + " | ".join(row) + " |")
+    lines += _median_rows(ratios, ("ttft", "attention"), digits=4)
     return "Within each repeat, ours / kvpress per CPU second of the MLP phase (CPU time):\n\n" + "\n".join(lines)
 
 
