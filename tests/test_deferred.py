@@ -8,10 +8,14 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import criticalkv
+from criticalkv import Method
+from criticalkv.allocators import UniformAllocator
 from criticalkv.cache import CompressedLayer
 from criticalkv.methods import build_method
 from criticalkv.runtime.session import ContextSession
 from criticalkv.runtime.shared_prefill import SharedPrefill
+from criticalkv.scorers import SnapKVScorer
+from criticalkv.selectors import CriticalSelector
 
 
 def _model():
@@ -55,6 +59,26 @@ def test_deferred_generate_equals_per_layer(name):
         assert layer_a == layer_b
         assert torch.equal(kept_a, kept_b)
         assert torch.equal(keep_a, keep_b)
+
+
+def test_deferred_selector_with_a_wider_window_than_its_scorer():
+    """A deferred layer keeps only its last ``query_rows`` query rows; a selector that reads a window wider than
+    the scorer's must find its queries there (it read the rows by the key length and failed)."""
+    model = _model()
+    ids = torch.randint(0, 256, (2, 90), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :25] = 0  # left padding
+    keeps = []
+    for defer in (False, True):
+        method = Method(SnapKVScorer(window=8), UniformAllocator(), CriticalSelector(stage2="unpooled", window=16))
+        with criticalkv.compress(model, dataclasses.replace(method, defer=defer), 0.3) as compressor:
+            compressor.record_keep = True
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask, use_cache=True)
+        keeps.append([r.keep for r in compressor.records])
+    assert len(keeps[0]) == len(keeps[1]) == 3
+    for plain, deferred in zip(*keeps, strict=True):
+        assert torch.equal(plain, deferred)
 
 
 def test_deferred_layers_stay_dense_until_the_forward_ends():

@@ -101,7 +101,10 @@ def window_attention(view: LayerView, window: int) -> torch.Tensor:
     b, h_kv, t, d = view.keys.shape
     g = view.groups
     w = min(window, t)
-    q = view.query[:, :, t - w :, :].float().reshape(b, h_kv, g * w, d) * view.scaling  # (b, h_kv, G*w, d)
+    if view.query.shape[2] < w:
+        raise ValueError(f"the window's {w} queries are needed, the view holds the last {view.query.shape[2]}")
+    # The last w query rows are the last w positions (a deferred layer keeps only its last rows of the query).
+    q = view.query[:, :, -w:, :].float().reshape(b, h_kv, g * w, d) * view.scaling  # (b, h_kv, G*w, d)
     logits = torch.matmul(q, view.keys.float().transpose(-1, -2)).view(b, h_kv, g, w, t)  # (b, h_kv, G, w, t)
     # causal: only the window's own columns can lie ahead of a window query; (w, w): key after query
     ahead = view.remember_for_prefill(
