@@ -131,15 +131,24 @@ def test_snapkv_budget_smaller_than_window_keeps_most_recent():
     assert torch.equal(decision.keep, expected)
 
 
-@pytest.mark.parametrize("length", [1, 5, 16])
-def test_context_not_longer_than_window_is_kept_whole(length):
+@pytest.mark.parametrize("budget", [Budget(0.2), Budget(1)])
+@pytest.mark.parametrize("length", [1, 4, 5, 16])
+def test_context_not_longer_than_window_is_kept_whole(length, budget):
+    """Even where the fraction rounds to zero entries (0.2 of 1-4 tokens)."""
     view = _view([length], length, seed=6)
-    decision = Method(SnapKVScorer(window=16), selector=CriticalSelector()).decide(
-        view, Budget(0.2 if length >= 5 else 1)
-    )
+    decision = Method(SnapKVScorer(window=16), selector=CriticalSelector()).decide(view, budget)
     assert decision.keep is None
     assert decision.kept_whole.tolist() == [True]
     assert decision.budgets.tolist() == [[length, length]]
+
+
+def test_short_row_kept_whole_beside_a_compressed_row_where_its_fraction_rounds_to_zero():
+    view = _view([40, 3], 40, seed=8)
+    decision = Method(SnapKVScorer(window=16), selector=CriticalSelector()).decide(view, Budget(0.2))
+    assert decision.kept_whole.tolist() == [False, True]
+    assert decision.budgets.tolist() == [[8, 8], [3, 3]]
+    assert decision.keep.sum(-1).tolist() == [[8, 8], [3, 3]]
+    assert torch.equal(decision.keep[1], view.valid[1].expand(2, -1))
 
 
 def test_mixed_batch_short_row_kept_whole_long_row_compressed():

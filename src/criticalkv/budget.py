@@ -65,22 +65,26 @@ class Budget:
     def keeps_everything(self) -> bool:
         return self.is_fraction and self.value == 1.0
 
-    def entries_for(self, lengths: torch.Tensor) -> torch.Tensor:
+    def entries_for(self, lengths: torch.Tensor, whole: torch.Tensor | None = None) -> torch.Tensor:
         """Entries to keep per row, given each row's real context length: (b,) long -> (b,) long.
 
-        A fraction is floored (``floor(0.2 * 4096) = 819``, kvpress's rounding); the result never exceeds the
-        row's length, and a fraction that rounds to zero entries is an error.
+        A fraction is floored (``floor(0.2 * 4096) = 819``); the result never exceeds the row's length, and a
+        fraction that rounds to zero entries is an error, except in the rows of ``whole`` ((b,) bool: rows kept
+        whole anyway, e.g. no longer than the scorer's window), which keep their length.
         """
         if self.is_fraction:
             # The small tolerance makes 0.2 * 4095 (= 818.99999...) count as 819, as the decimal reads.
             n = torch.floor(lengths.double() * self.value + 1e-9).long()
+            if whole is not None:
+                n = torch.where(whole, lengths, n)
             short = (n < 1) & (lengths > 0)
             if bool(short.any()):
                 raise BudgetError(
                     f"budget {self.value} of a {int(lengths[short][0])}-token context rounds to zero entries"
                 )
             return torch.minimum(n, lengths)
-        return torch.clamp(lengths, max=int(self.value))
+        n = torch.clamp(lengths, max=int(self.value))
+        return n if whole is None else torch.where(whole, lengths, n)
 
     def __str__(self) -> str:
         return f"{self.value:g}" if self.is_fraction else f"{self.value} entries per head"

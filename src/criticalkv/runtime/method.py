@@ -139,9 +139,10 @@ class Method:
     def _plan(self, view: LayerView, budget: Budget) -> _LayerPlan:
         def plan() -> _LayerPlan:
             lengths = view.lengths  # (b,)
-            row_budgets = budget.entries_for(lengths)  # (b,)
             protected = self.scorer.protected(view)  # (b, t)
-            kept_whole = (row_budgets >= lengths) | (protected.sum(-1) >= lengths)
+            # a row no longer than its protected positions is kept whole, even where the fraction rounds to zero
+            row_budgets = budget.entries_for(lengths, whole=protected.sum(-1) >= lengths)  # (b,)
+            kept_whole = row_budgets >= lengths
             return _LayerPlan(row_budgets, protected, kept_whole, int(kept_whole.sum()))
 
         return view.remember_for_prefill(("plan", repr(self.scorer), repr(budget)), plan)
