@@ -5,6 +5,8 @@ error paths behave."""
 from __future__ import annotations
 
 import functools
+import gc
+import weakref
 
 import pytest
 import torch
@@ -27,7 +29,14 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 import criticalkv
 from criticalkv.cache import CompressedLayer
 from criticalkv.cache.attention import as_bool_mask
-from criticalkv.errors import BudgetError, CacheStateError, CriticalKVError, UnknownMethodError, UnsupportedModelError
+from criticalkv.errors import (
+    BudgetError,
+    CacheStateError,
+    CriticalKVError,
+    PaddingError,
+    UnknownMethodError,
+    UnsupportedModelError,
+)
 from criticalkv.models import head_dim
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.session import ContextSession
@@ -602,6 +611,42 @@ def test_budget_rounding_to_zero_raises_at_prefill():
     with pytest.raises(BudgetError), criticalkv.compress(model, "snapkv", budget=0.01, window=2):
         _generate(model, _ids(40, seed=43), n=2)
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("method", ["snapkv", "critical-adakv", "streaming"])
+def test_right_padding_is_refused(method):
+    """Scorers read a row's window at the end of the tensor: a right-padded row would be scored on padding."""
+    model = _model("llama")
+    ids = _ids(60, seed=44, b=2)
+    mask = torch.ones_like(ids)
+    mask[1, 40:] = 0
+    with pytest.raises(PaddingError, match=r"row 1 .* left padding"), criticalkv.compress(model, method, budget=0.5):
+        _generate(model, ids, mask, n=2)
+    mask[1] = 0
+    mask[1, 20:] = 1  # the same row left-padded runs
+    with criticalkv.compress(model, method, budget=0.5):
+        _generate(model, ids, mask, n=2)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "critical-adakv"])
+def test_assisted_decoding_is_refused_once_compressed(method):
+    """Its first forward holds the prompt and the drafts, which compression would keep as context."""
+    model = _model("llama")
+    ids = _ids(12, seed=45).repeat(1, 4)  # repetitive, so prompt lookup finds drafts
+    with pytest.raises(ValueError, match="cache that can be cropped"), criticalkv.compress(model, method, budget=0.5):
+        model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=4)
+
+
+def test_a_kept_compressor_does_not_keep_the_cache_alive():
+    model = _model("llama")
+    with criticalkv.compress(model, "adakv", budget=0.5) as compressor:
+        ids = _ids(60, seed=46)
+        out = model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    cache = weakref.ref(out.past_key_values)
+    del out
+    gc.collect()
+    assert compressor.records  # kept to read its records
+    assert cache() is None
 
 
 def test_unsupported_models():

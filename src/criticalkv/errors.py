@@ -21,5 +21,9 @@ class NegativeScoreError(CriticalKVError):
     """Scores fed to the CriticalKV selector are negative, so attention x value-norm would mean nothing."""
 
 
+class PaddingError(CriticalKVError):
+    """A batch row with padding after a real token: criticalkv needs left padding."""
+
+
 class CacheStateError(CriticalKVError):
     """A cache used in a way its state does not allow (e.g. cropping into the compressed context)."""

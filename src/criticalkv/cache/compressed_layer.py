@@ -32,7 +32,6 @@ _MIN_GROWTH = 64  # entries added per growth at least; growth is geometric (1/8)
 
 class CompressedLayer(CacheLayerMixin):
     is_sliding = False
-    is_croppable = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -51,6 +50,14 @@ class CompressedLayer(CacheLayerMixin):
     @property
     def is_compressed(self) -> bool:
         return self._context_keys is not None or self._joined is not None
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether transformers may crop the layer. Not once its context is compressed (or awaits compression):
+        assisted decoding checks this after a first forward over the prompt and its drafts, which were then
+        compressed with the prompt, so it is refused (``crop`` itself still drops tokens appended after the context).
+        """
+        return not (self.is_compressed or self.pending)
 
     @property
     def context_keys(self) -> torch.Tensor | None:

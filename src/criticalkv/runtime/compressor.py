@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer, attention
 from criticalkv.distributed.layout import check_model
-from criticalkv.errors import CacheStateError, UnsupportedModelError
+from criticalkv.errors import CacheStateError, PaddingError, UnsupportedModelError
 from criticalkv.models.families import check_supported
 from criticalkv.runtime.method import Method
 from criticalkv.scorers import LayerView
@@ -51,6 +51,18 @@ class PrefillFacts:
         return self.mask() is attention_mask
 
 
+def _require_left_padding(valid: torch.Tensor) -> None:
+    """Refuse a row with padding after a real token, valid (b, t) bool: scorers read a row's observation window
+    (its last tokens) at the end of the tensor, and the last query's mask row is what tells the real keys."""
+    late = valid[:, :-1] & ~valid[:, 1:]  # (b, t-1): a real position followed by padding
+    if bool(late.any()):
+        row = int(late.any(dim=-1).nonzero()[0])
+        raise PaddingError(
+            f"row {row} of the batch has padding after a real token; criticalkv needs left padding "
+            "(tokenizer.padding_side = 'left')"
+        )
+
+
 def prefill_view(
     module: nn.Module,
     query: torch.Tensor,
@@ -72,6 +84,7 @@ def prefill_view(
         valid = torch.ones(b, t, dtype=torch.bool, device=keys.device)
     else:  # the last query sees every real key; padding columns are masked in its row
         valid = attention.as_bool_mask(attention_mask)[:, 0, -1, :t]
+        _require_left_padding(valid)
     if facts is None:
         return LayerView(module, query, keys, values, valid, scaling)
     facts.mask = None if attention_mask is None else weakref.ref(attention_mask)
@@ -144,7 +157,7 @@ class Compressor:
         # Collection mode: while set, the attention function calls it on each dense compressible layer with
         # (module, query, keys, mask, scaling) after computing the layer's own output (reconstruction scoring).
         self.attention_probe: Callable[..., None] | None = None
-        self._state_cache: CompressedCache | None = None  # the cache whose prefill ``_state`` belongs to
+        self._state_cache: weakref.ref | None = None  # the cache whose prefill ``_state`` belongs to (not kept alive)
         self._state: dict = {}
         self.facts = PrefillFacts()  # of the forward running now: a new one with every forward
 
@@ -172,6 +185,7 @@ class Compressor:
         self.pending = []
         self.model.set_attn_implementation(self.base_implementation)
         self.active_cache = None
+        self._state_cache, self._state, self.facts = None, {}, PrefillFacts()  # a kept compressor holds no cache
         for module in self.modules:
             module.__dict__.pop("_criticalkv", None)
 
@@ -309,8 +323,8 @@ class Compressor:
 
     def prefill_state(self, cache: CompressedCache) -> dict:
         """The method's scratch dict for the prefill of ``cache`` (streaming allocators); fresh for a new cache."""
-        if self._state_cache is not cache:
-            self._state_cache, self._state = cache, {}
+        if self._state_cache is None or self._state_cache() is not cache:
+            self._state_cache, self._state = weakref.ref(cache), {}
         return self._state
 
 
