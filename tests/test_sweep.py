@@ -190,3 +190,38 @@ def test_resuming_a_folder_with_other_settings_is_refused(tmp_path, tiny_tokeniz
     with pytest.raises(CriticalKVError, match=r"length: 256 there, 512 now.*use another --out"):
         run_sweep(model, tiny_tokenizer, samples, _score, settings={**settings, "length": 512}, **kwargs)
     assert len(load_rows(tmp_path / "results.jsonl")) == 2 * 2  # nothing appended by the refused run
+
+
+def test_adding_methods_to_a_sweep_answers_only_the_new_pairs(tmp_path, tiny_tokenizer):
+    """No pair answers a sample twice: the report would count the sample twice."""
+    model, samples = _setup(tiny_tokenizer)
+    kwargs = dict(budgets=[Budget(0.3)], regime="agnostic", out_dir=tmp_path, max_new_tokens=lambda s: 2)
+    run_sweep(model, tiny_tokenizer, samples[:2], _score, methods=["snapkv"], **kwargs)
+    rows = run_sweep(model, tiny_tokenizer, samples[:2], _score, methods=["snapkv", "critical-snapkv"], **kwargs)
+    assert sorted((r.index, r.method) for r in rows) == [(0, "critical-snapkv"), (1, "critical-snapkv")]
+    assert all(0 < r.kept_fraction < 1 for r in rows)  # against the full cache, prefilled though not answered
+    stored = load_rows(tmp_path / "results.jsonl")
+    keys = [(r.task, r.index, r.method, r.budget) for r in stored]
+    assert len(keys) == len(set(keys)) == 2 * 3
+    assert run_sweep(model, tiny_tokenizer, samples[:2], _score, methods=["critical-snapkv"], **kwargs) == []
+
+
+def test_a_sweep_that_fails_before_its_first_row_leaves_no_settings(tmp_path, tiny_tokenizer):
+    """The corrected rerun into the same folder is then not refused for the failed run's settings."""
+    model, samples = _setup(tiny_tokenizer)
+    kwargs = dict(budgets=[Budget(0.5)], regime="agnostic", out_dir=tmp_path, max_new_tokens=lambda s: 2)
+    settings = {"benchmark": "ruler", "model": "toy", "length": 0}
+
+    def failing_samples():
+        raise CriticalKVError("length must be positive")
+        yield  # a generator, as the RULER samples are
+
+    with pytest.raises(CriticalKVError, match="length must be positive"):
+        run_sweep(model, tiny_tokenizer, failing_samples(), _score, methods=["snapkv"], settings=settings, **kwargs)
+    assert not (tmp_path / "sweep.json").exists()
+    with pytest.raises(CriticalKVError, match=r"given twice: snapkv@0.5"):
+        run_sweep(model, tiny_tokenizer, samples, _score, methods=["snapkv", "snapkv"], settings=settings, **kwargs)
+    run_sweep(
+        model, tiny_tokenizer, samples[:1], _score, methods=["snapkv"], settings={**settings, "length": 256}, **kwargs
+    )
+    assert json.loads((tmp_path / "sweep.json").read_text())["length"] == 256

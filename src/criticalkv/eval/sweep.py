@@ -27,6 +27,7 @@ from criticalkv.runtime.session import ContextSession
 from criticalkv.runtime.shared_prefill import SharedPrefill
 
 REGIMES = ("agnostic", "aware")
+FULL_PAIR = ("full", "full", Budget(1.0))  # (label, method, budget): the reference every sweep answers
 SETTINGS_FILE = "sweep.json"  # a sweep folder's settings (``run_sweep``'s ``settings``)
 
 
@@ -79,7 +80,8 @@ def run_sweep(
     ``settings`` (JSON values: model, prompt length, seed, ...) are what makes a (task, index) the same sample
     across runs; they are kept in the folder's ``sweep.json``, and a run that resumes a folder with other settings
     is refused, so its rows never mix with another sweep's. Methods, budgets, the sample count and
-    ``batch_answers`` may change between runs (each row records its pair and whether it was batched).
+    ``batch_answers`` may change between runs (each row records its pair and whether it was batched); a run
+    answers each sample only with the pairs that have no row for it yet.
 
     Each pair answers on its own by default: exactly the answers of separate runs. With ``batch_answers`` the
     compressed pairs of a sample answer together, as the rows of one batched decode (``ContextSession.stacked``;
@@ -96,27 +98,31 @@ def run_sweep(
             "--batch-answers needs every attention layer compressible; this model has sliding-window layers, "
             "whose caches cannot be stacked: run without it"
         )
-    pairs = [("full", "full", Budget(1.0))] + [
-        (pair_label(m, b), m, b) for m in methods if m != "full" for b in budgets
-    ]
+    pairs = [FULL_PAIR] + [(pair_label(m, b), m, b) for m in methods if m != "full" for b in budgets]
+    labels = [label for label, _, _ in pairs]
+    if len(set(labels)) < len(labels):
+        repeated = sorted({label for label in labels if labels.count(label) > 1})
+        raise CriticalKVError(f"(method, budget) pairs given twice: {', '.join(repeated)}")
     layout = ParallelLayout.of(model)  # under torchrun every rank answers every sample; rank 0 writes
     conflict = layout.from_main(_settings_conflict(out_dir, settings) if layout.is_main else None)
     if conflict:
         raise CriticalKVError(conflict)
     path = out_dir / "results.jsonl"
-    done = layout.from_main(_done_samples(path, regime, {label for label, _, _ in pairs}) if layout.is_main else None)
+    done = layout.from_main(_answered(path, regime) if layout.is_main else None)
     rows: list[Row] = []
-    if layout.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
     description = f"{regime} sweep, {len(pairs)} pairs"
     with step_progress(description, total, enabled=layout.is_main) as advance, _sink(path, layout.is_main) as sink:
         for sample in samples:
-            if (sample.task, sample.index) in done:
+            answered = done.get((sample.task, sample.index), set())
+            todo = [pair for pair in pairs if pair[0] not in answered]  # a resumed sweep's new pairs only
+            if not todo:
                 advance(f"{sample.task} #{sample.index} (on disk)", skipped=True)
                 continue
             sample_rows = _answer(
-                model, tokenizer, sample, score, pairs, regime, max_new_tokens(sample), layout, batch_answers
+                model, tokenizer, sample, score, todo, regime, max_new_tokens(sample), layout, batch_answers
             )
+            if layout.is_main and settings is not None and stored_settings(out_dir) is None:
+                _record_settings(out_dir, settings)  # with the first row: a run that fails before leaves none
             for row in sample_rows:
                 sink.write(json.dumps(asdict(row)) + "\n")
             sink.flush()
@@ -137,16 +143,16 @@ def _answer(
     layout: ParallelLayout,
     batch_answers: bool,
 ) -> list[Row]:
+    """The rows of ``pairs`` for one sample; the full cache is prefilled in any case (the kept fractions' base)."""
     prefix_ids, suffix_ids = encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
     prompt = prefix_ids + suffix_ids if regime == "aware" else prefix_ids
     device = next(model.parameters()).device
-    sessions = SharedPrefill(model, [(label, method, budget) for label, method, budget in pairs]).prefill(
-        torch.tensor([prompt], device=device)
-    )
+    targets = pairs if any(label == "full" for label, _, _ in pairs) else [FULL_PAIR, *pairs]
+    sessions = SharedPrefill(model, targets).prefill(torch.tensor([prompt], device=device))
     full_entries = layout.total(sessions["full"].kv_entries())  # the whole model's, every rank's part counted
     kept = {label: layout.total(session.kv_entries()) / full_entries for label, session in sessions.items()}
     texts, batched = {}, {}
-    for group in _answer_groups(pairs, batch_answers):
+    for group in _answer_groups([label for label, _, _ in pairs], batch_answers):
         session = sessions[group[0]] if len(group) == 1 else ContextSession.stacked([sessions[g] for g in group])
         question = None if regime == "aware" else torch.tensor([suffix_ids], device=device).expand(len(group), -1)
         generation = session.ask(question, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id)
@@ -170,13 +176,14 @@ def _answer(
     ]
 
 
-def _answer_groups(pairs, batch_answers: bool) -> list[list[str]]:
+def _answer_groups(labels: list[str], batch_answers: bool) -> list[list[str]]:
     """Labels that answer together: the full cache alone, then every compressed pair in one batch (each alone
     without ``batch_answers``)."""
-    compressed = [label for label, _, _ in pairs if label != "full"]
+    full = [["full"]] if "full" in labels else []
+    compressed = [label for label in labels if label != "full"]
     if not batch_answers:
-        return [["full"]] + [[label] for label in compressed]
-    return [["full"]] + ([compressed] if compressed else [])
+        return full + [[label] for label in compressed]
+    return full + ([compressed] if compressed else [])
 
 
 @contextmanager
@@ -190,9 +197,9 @@ def _sink(path: Path, writes: bool) -> Iterator[TextIO]:
 
 
 def _settings_conflict(out_dir: Path, settings: dict | None) -> str | None:
-    """Why the folder's ``sweep.json`` forbids resuming with ``settings``; None when it allows it (and records them).
+    """Why the folder's ``sweep.json`` forbids resuming with ``settings``; None when it allows it.
 
-    A folder without ``sweep.json`` takes the settings of its first run that gives some.
+    A folder without ``sweep.json`` takes the settings of its first run that writes a row (``_record_settings``).
     """
     if settings is None:
         return None
@@ -206,10 +213,12 @@ def _settings_conflict(out_dir: Path, settings: dict | None) -> str | None:
                 f"{out_dir} holds a sweep with other settings ({listed}): its rows would mix with this run's; "
                 "use another --out"
             )
-        return None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
     return None
+
+
+def _record_settings(out_dir: Path, settings: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / SETTINGS_FILE).write_text(json.dumps(json.loads(json.dumps(settings)), indent=2) + "\n")
 
 
 def stored_settings(folder: Path) -> dict | None:
@@ -218,10 +227,10 @@ def stored_settings(folder: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _done_samples(path: Path, regime: str, labels: set[str]) -> set[tuple[str, int]]:
-    """Samples of this regime already answered by every pair (an interrupted run resumes after them)."""
+def _answered(path: Path, regime: str) -> dict[tuple[str, int], set[str]]:
+    """The pairs (labels) that answered each sample of this regime on disk: a resumed run answers only the rest."""
     if not path.exists():
-        return set()
+        return {}
     seen: dict[tuple[str, int], set[str]] = {}
     for line in path.read_text().splitlines():
         if not line.strip():
@@ -230,7 +239,7 @@ def _done_samples(path: Path, regime: str, labels: set[str]) -> set[tuple[str, i
         if row["regime"] == regime:
             label = pair_label(row["method"], Budget.parse(row["budget"]))
             seen.setdefault((row["task"], row["index"]), set()).add(label)
-    return {key for key, got in seen.items() if labels <= got}
+    return seen
 
 
 def load_rows(path: Path) -> list[Row]:
