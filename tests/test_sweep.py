@@ -225,3 +225,13 @@ def test_a_sweep_that_fails_before_its_first_row_leaves_no_settings(tmp_path, ti
         model, tiny_tokenizer, samples[:1], _score, methods=["snapkv"], settings={**settings, "length": 256}, **kwargs
     )
     assert json.loads((tmp_path / "sweep.json").read_text())["length"] == 256
+
+
+def test_report_takes_its_title_from_the_sweep_settings(tmp_path):
+    """`criticalkv report DIR` keeps the title `eval ruler` gave the report."""
+    rows = [Row("a", 0, "agnostic", m, b, 50.0, "", 100, 1.0) for m, b in (("full", 1.0), ("snapkv", 0.2))]
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(asdict(r)) for r in rows))
+    (tmp_path / "sweep.json").write_text(json.dumps({"benchmark": "ruler", "model": "/m/qwen2.5-0.5b", "length": 4096}))
+    assert write_report(tmp_path).read_text().startswith("# RULER-4096, qwen2.5-0.5b, question-agnostic\n")
+    (tmp_path / "sweep.json").unlink()
+    assert write_report(tmp_path).read_text().startswith("# Sweep results\n")

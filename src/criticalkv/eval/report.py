@@ -11,7 +11,7 @@ from statistics import mean
 import matplotlib
 from matplotlib.figure import Figure
 
-from criticalkv.eval.sweep import Row, load_rows
+from criticalkv.eval.sweep import Row, load_rows, stored_settings
 
 
 def summarise(rows: list[Row]) -> dict:
@@ -72,8 +72,20 @@ def _order(entry: dict) -> tuple:
     return (entry["regime"], entry["method"] != "full", entry["method"], float(entry["budget"]))
 
 
+def sweep_title(settings: dict | None, regimes: set[str]) -> str:
+    """A report's title from a sweep folder's settings (``sweep.json``): "RULER-4096, qwen2.5-0.5b, question-aware"."""
+    if not settings:
+        return "Sweep results"
+    name = Path(str(settings.get("model", ""))).name
+    head = f"RULER-{settings.get('length')}" if settings.get("benchmark") == "ruler" else str(settings.get("benchmark"))
+    parts = [head, name] + ([f"question-{next(iter(regimes))}"] if len(regimes) == 1 else [])
+    return ", ".join(p for p in parts if p)
+
+
 def write_report(results_dir: Path, title: str = "") -> Path:
-    """Write report.md, summary.csv, summary.json and plots next to results.jsonl; return the report path."""
+    """Write report.md, summary.csv, summary.json and plots next to results.jsonl; return the report path.
+
+    Without ``title``, the folder's ``sweep.json`` names it (``sweep_title``)."""
     summary = summarise(load_rows(results_dir / "results.jsonl"))
     tasks = summary["tasks"]
     (results_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -91,7 +103,8 @@ def write_report(results_dir: Path, title: str = "") -> Path:
                     "" if e["loss"] is None else f"{e['loss']:.4f}",
                 ]
             )
-    lines = [f"# {title or 'Sweep results'}", ""]
+    title = title or sweep_title(stored_settings(results_dir), {e["regime"] for e in summary["rows"]})
+    lines = [f"# {title}", ""]
     for regime in sorted({e["regime"] for e in summary["rows"]}):
         entries = [e for e in summary["rows"] if e["regime"] == regime]
         counts = {_sample_count(e) for e in entries}
