@@ -17,6 +17,10 @@ class UnknownMethodError(CriticalKVError):
     """A method preset name, or an option of one, that does not exist."""
 
 
+class MethodOptionError(CriticalKVError):
+    """A method option whose value has the wrong type or is out of range for the piece it sets."""
+
+
 class NegativeScoreError(CriticalKVError):
     """Scores fed to the CriticalKV selector are negative, so attention x value-norm would mean nothing."""
 

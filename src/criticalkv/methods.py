@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,7 +16,7 @@ from criticalkv.allocators import (
     PyramidAllocator,
     UniformAllocator,
 )
-from criticalkv.errors import UnknownMethodError
+from criticalkv.errors import MethodOptionError, UnknownMethodError
 from criticalkv.runtime.method import Method
 from criticalkv.scorers import (
     DefensiveScorer,
@@ -162,6 +164,28 @@ def parse_method_spec(spec: str) -> tuple[str, dict[str, object]]:
     return name.strip(), options
 
 
+def _typed(value: object, annotation: object) -> object:
+    """``value`` as the field annotated ``annotation`` takes it (an int for ``float`` becomes a float); raises
+    TypeError when no member of the annotation accepts it (a bool is never an int or a float here)."""
+    members = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    for member in members:
+        if member is type(None) and value is None:
+            return value
+        if member is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if member is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(member, type) and member not in (int, float, type(None)) and isinstance(value, member):
+            return value
+    expected = " or ".join("None" if m is type(None) else getattr(m, "__name__", str(m)) for m in members)
+    raise TypeError(f"expected {expected}, got {value!r}")
+
+
+def _with_option(piece: object, key: str, value: object) -> object:
+    """A copy of the scorer/allocator/selector ``piece`` with field ``key`` set (typed and validated)."""
+    return dataclasses.replace(piece, **{key: _typed(value, typing.get_type_hints(type(piece))[key])})
+
+
 def build_method(name: str, **options: object) -> Method | None:
     """The method of a preset, with options set on whichever piece has them (``window=64``, ``alpha=0.25``).
 
@@ -188,5 +212,8 @@ def build_method(name: str, **options: object) -> Method | None:
                 f"method {name!r} has no option {key!r}; its options: {', '.join(valid) or 'none'}"
             )
         for owner in owners:
-            pieces[owner] = dataclasses.replace(pieces[owner], **{key: value})
+            try:
+                pieces[owner] = _with_option(pieces[owner], key, value)
+            except (TypeError, ValueError) as error:
+                raise MethodOptionError(f"method {name!r}, option {key}={value!r}: {error}") from error
     return Method(pieces["scorer"], pieces["allocator"], pieces["selector"], name=spec)

@@ -15,6 +15,7 @@ from criticalkv.distributed import launch
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.report import write_report
 from criticalkv.eval.sweep import REGIMES, load_rows, pair_label, run_sweep
+from criticalkv.methods import build_method
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP
 
 app = typer.Typer(help="Benchmarks: RULER and needle-in-a-haystack, generated offline.", no_args_is_help=True)
@@ -23,6 +24,14 @@ console = Console()
 
 def _split(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _methods(text: str) -> list[str]:
+    """The comma-separated method specs, each built once so a bad name or option fails before the model loads."""
+    names = _split(text)
+    for name in names:
+        build_method(name)
+    return names
 
 
 def _fail(error: Exception) -> None:
@@ -63,6 +72,7 @@ def ruler(
         if unknown:
             raise CriticalKVError(f"unknown RULER task(s) {unknown}; tasks: {', '.join(ruler_data.TASKS)}")
         parsed = [Budget.parse(b) for b in _split(budgets)]
+        names = _methods(methods)
         regime = "aware" if question_aware else "agnostic"
         folder = out or Path("results") / f"ruler-{Path(model).name}-{length}-{regime}"
         loaded, tokenizer = launch.load_model(model, device=device)
@@ -83,7 +93,7 @@ def ruler(
             tokenizer,
             all_samples(),
             ruler_data.score,
-            _split(methods),
+            names,
             parsed,
             regime,
             folder,
@@ -132,6 +142,7 @@ def needle(
 
     try:
         parsed = Budget.parse(budget)
+        names = _methods(methods)
         regime = "aware" if question_aware else "agnostic"
         folder = out or Path("results") / f"needle-{Path(model).name}-{regime}"
         loaded, tokenizer = launch.load_model(model, device=device)
@@ -148,7 +159,7 @@ def needle(
             tokenizer,
             items,
             lambda s, p: 100.0 * (s.answer in p),
-            _split(methods),
+            names,
             [parsed],
             regime,
             folder,

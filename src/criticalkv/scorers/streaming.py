@@ -21,6 +21,10 @@ class StreamingScorer:
 
     sinks: int = 4
 
+    def __post_init__(self) -> None:
+        if self.sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+
     def score(self, view: LayerView) -> torch.Tensor:
         b, h_kv, t, _ = view.keys.shape
         recency = torch.arange(1, t + 1, device=view.keys.device, dtype=torch.float32) / t  # (t,) in (0, 1]

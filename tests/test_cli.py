@@ -1,0 +1,69 @@
+"""The command line refuses bad input with a clean ``error: ...`` and exit code 2, before the model loads."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from criticalkv.cli import app
+from criticalkv.errors import MethodOptionError
+from criticalkv.methods import build_method
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading a model fails the test: every refusal here must come first."""
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("criticalkv.distributed.launch.load_model", load)
+    monkeypatch.setattr("criticalkv.models.presets.load_model", load)
+
+
+def _refused(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(app, args)
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2, (result.exception, output)
+    assert "error:" in output and message in output, output
+
+
+@pytest.mark.parametrize(
+    ("spec", "options", "message"),
+    [
+        ("critical-snapkv:alpha=1.5", {}, "alpha must be in [0, 1], got 1.5"),
+        ("critical-snapkv", {"alpha": "abc"}, "option alpha='abc': expected float, got 'abc'"),
+        ("snapkv:window=2.5", {}, "option window=2.5: expected int, got 2.5"),
+        ("snapkv", {"window": "abc"}, "expected int, got 'abc'"),
+        ("critical-snapkv:screen=1", {}, "expected bool, got 1"),
+        ("streaming:sinks=-1", {}, "option sinks=-1: sinks must be >= 0, got -1"),
+        ("critical-adakv", {"max_rank_imbalance": "x"}, "expected float or None, got 'x'"),
+    ],
+)
+def test_build_method_refuses_bad_option_values(spec, options, message):
+    with pytest.raises(MethodOptionError) as error:
+        build_method(spec, **options)
+    assert message in str(error.value)
+
+
+def test_build_method_types_option_values():
+    method = build_method("critical-adakv:alpha=1;safeguard=0", max_rank_imbalance=None)
+    assert isinstance(method.selector.alpha, float) and isinstance(method.allocator.safeguard, float)
+    assert method.allocator.max_rank_imbalance is None
+    assert build_method("critical-snapkv:screen=false").selector.screen is False
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "--method", "critical-snapkv:alpha=1.5"], "alpha must be in [0, 1], got 1.5"),
+        (["run", "--option", "alpha=abc"], "expected float, got 'abc'"),
+        (["run", "--method", "snapkv:window=2.5"], "expected int, got 2.5"),
+        (["run", "--method", "streaming:sinks=-1"], "sinks must be >= 0"),
+        (["eval", "ruler", "--methods", "critical-snapkv:alpha=1.5"], "alpha must be in [0, 1]"),
+        (["eval", "needle", "--methods", "snapkv:window=2.5"], "expected int, got 2.5"),
+        (["perturbation", "--methods", "snapkv,critical-snapkv:alpha=abc"], "expected float, got 'abc'"),
+    ],
+)
+def test_bad_method_options_refused_before_loading(no_model, args, message):
+    _refused(args, message)
