@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from criticalkv.cli import app
-from criticalkv.errors import MethodOptionError
+from criticalkv.errors import CriticalKVError, MethodOptionError
 from criticalkv.methods import build_method
 
 
@@ -67,3 +67,16 @@ def test_build_method_types_option_values():
 )
 def test_bad_method_options_refused_before_loading(no_model, args, message):
     _refused(args, message)
+
+
+def test_run_json_folder_created_before_loading(tmp_path, monkeypatch):
+    def load(*args, **kwargs):
+        raise CriticalKVError("stop at the model")
+
+    monkeypatch.setattr("criticalkv.distributed.launch.load_model", load)
+    path = tmp_path / "a" / "b" / "run.json"
+    _refused(["run", "--json", str(path)], "stop at the model")
+    assert path.parent.is_dir()
+    (tmp_path / "file").write_text("")
+    _refused(["run", "--json", str(tmp_path / "file" / "run.json")], "cannot create the folder of")
+    _refused(["run", "--json", str(tmp_path)], f"cannot write {tmp_path}")

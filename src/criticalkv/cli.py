@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -96,6 +97,16 @@ def _parse_options(items: list[str]) -> dict[str, object]:
     return options
 
 
+def _writable(path: Path) -> None:
+    """Create the folders above ``path`` now, and refuse one that cannot be written, before any compute."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CriticalKVError(f"cannot create the folder of {path}: {error}") from None
+    if path.is_dir() or not os.access(path.parent, os.W_OK):
+        raise CriticalKVError(f"cannot write {path}")
+
+
 def _document(tokenizer, context_file: Path | None, questions: list[str], context_tokens: int, depth: float, seed: int):
     """(context, [(question, expected answer or None, answer prefix)])."""
     if context_file is not None:
@@ -176,6 +187,8 @@ def _run(
     parsed_budget = Budget.parse(budget)
     for name in methods_[1:]:
         build_method(name, **options)  # fail on a bad name or option before loading anything
+    if json_path is not None:
+        _writable(json_path)
     with console.status(f"loading {model_name}"):
         model, tokenizer = launch.load_model(model_name, dtype=dtype, device=device)
     layout = ParallelLayout.of(model)  # one process, or where this one sits in a torchrun split
