@@ -80,3 +80,17 @@ def test_run_json_folder_created_before_loading(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("")
     _refused(["run", "--json", str(tmp_path / "file" / "run.json")], "cannot create the folder of")
     _refused(["run", "--json", str(tmp_path)], f"cannot write {tmp_path}")
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["run", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["run", "--max-new-tokens", "-1"], "--max-new-tokens"),
+        (["eval", "ruler", "--max-new-tokens", "-5"], "--max-new-tokens"),
+        (["eval", "ruler", "--samples", "0"], "--samples"),
+    ],
+)
+def test_nonsense_counts_refused(no_model, args, option):
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and f"Invalid value for '{option}'" in result.output

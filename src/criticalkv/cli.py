@@ -135,7 +135,7 @@ def run(
     context_tokens: Annotated[int, typer.Option(help="Length of the generated needle prompt.")] = 4096,
     depth: Annotated[float, typer.Option(help="Needle depth in [0, 1].")] = 0.5,
     seed: Annotated[int, typer.Option(help="Seed of the needle prompt.")] = 0,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per answer.")] = 24,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per answer.")] = 24,
     dtype: Annotated[str, typer.Option(help="auto, bfloat16 or float32.")] = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
     option: Annotated[list[str] | None, typer.Option(help="Method option key=value, e.g. window=64.")] = None,
