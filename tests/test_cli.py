@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
 from criticalkv.cli import app
@@ -94,3 +98,38 @@ def test_run_json_folder_created_before_loading(tmp_path, monkeypatch):
 def test_nonsense_counts_refused(no_model, args, option):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and f"Invalid value for '{option}'" in result.output
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A random 1-layer Llama folder with room for 128 positions only."""
+    folder = tmp_path_factory.mktemp("short-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tiny_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_context_longer_than_the_model_refused_before_prefill(short_model, tmp_path, monkeypatch):
+    def prefill(*args, **kwargs):
+        raise AssertionError("a prefill ran")
+
+    monkeypatch.setattr("criticalkv.runtime.session.ContextSession.prefill", prefill)
+    monkeypatch.setattr("criticalkv.eval.commands.run_sweep", prefill)
+    monkeypatch.setattr("criticalkv.analysis.command.capture", prefill)
+    model = ["--model", str(short_model), "--device", "cpu"]
+    context = tmp_path / "context.txt"
+    context.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    _refused(["run", *model, "--context-file", str(context), "--question", "hi"], "prompt length")
+    _refused(["run", *model, "--context-tokens", "200"], "exceeds the model's maximum of 128 positions")
+    _refused(["eval", "needle", *model, "--lengths", "64,200", "--out", str(tmp_path / "n")], "--lengths 200 exceeds")
+    _refused(["perturbation", *model, "--length", "200", "--n", "1", "--out", str(tmp_path / "p")], "--length 200")

@@ -23,6 +23,7 @@ from criticalkv.distributed.layout import ParallelLayout
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.commands import app as eval_app
 from criticalkv.methods import PRESETS, build_method, parse_option_value
+from criticalkv.models.families import check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, list_presets
 from criticalkv.progress import layer_progress
 from criticalkv.runtime.session import ContextSession
@@ -196,6 +197,8 @@ def _run(
     from criticalkv.eval.needle import encode_prompt
 
     context, asked = _document(tokenizer, context_file, questions, context_tokens, depth, seed)
+    for q, _, prefix_text in asked:  # every prompt fits the model, checked before any prefill
+        check_length(model.config, sum(map(len, encode_prompt(tokenizer, context, q, prefix_text))), "prompt length")
     eos = tokenizer.eos_token_id
     results: list[RunResult] = []
     full_by_question: dict[str, tuple[int, int]] = {}

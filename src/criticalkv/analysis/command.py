@@ -36,6 +36,7 @@ from criticalkv.analysis.plots import file_stem, plot_hidden, plot_layers, plot_
 from criticalkv.budget import Budget
 from criticalkv.errors import CriticalKVError
 from criticalkv.methods import build_method
+from criticalkv.models.families import check_length
 from criticalkv.models.presets import DEVICE_HELP
 from criticalkv.progress import step_progress
 
@@ -387,6 +388,7 @@ def run_analysis(
 
         with console.status(f"loading {model}"):
             lm, tokenizer = load_model(model, dtype=dtype, device=device)
+        check_length(lm.config, length, "--length")
         config = lm.config.get_text_config()
         h_kv = config.num_key_value_heads
         meta.update(

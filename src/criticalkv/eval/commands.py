@@ -16,6 +16,7 @@ from criticalkv.errors import CriticalKVError
 from criticalkv.eval.report import write_report
 from criticalkv.eval.sweep import REGIMES, load_rows, pair_label, run_sweep
 from criticalkv.methods import build_method
+from criticalkv.models.families import check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP
 
 app = typer.Typer(help="Benchmarks: RULER and needle-in-a-haystack, generated offline.", no_args_is_help=True)
@@ -76,9 +77,7 @@ def ruler(
         regime = "aware" if question_aware else "agnostic"
         folder = out or Path("results") / f"ruler-{Path(model).name}-{length}-{regime}"
         loaded, tokenizer = launch.load_model(model, device=device)
-        max_length = getattr(loaded.config, "max_position_embeddings", None)
-        if max_length is not None and length > max_length:
-            raise CriticalKVError(f"length {length} exceeds the model's maximum of {max_length} positions")
+        max_length = check_length(loaded.config, length)
 
         def all_samples():
             for task in chosen:
@@ -147,6 +146,7 @@ def needle(
         folder = out or Path("results") / f"needle-{Path(model).name}-{regime}"
         loaded, tokenizer = launch.load_model(model, device=device)
         grid = {"lengths": [int(x) for x in _split(lengths)], "depths": [float(x) for x in _split(depths)]}
+        check_length(loaded.config, max(grid["lengths"], default=0), "--lengths")
         cells = needle_grid(tokenizer, grid["lengths"], grid["depths"], seed)
         items = [
             _NeedleItem(

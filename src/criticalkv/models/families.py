@@ -7,7 +7,7 @@ from types import MappingProxyType
 
 from transformers import PretrainedConfig
 
-from criticalkv.errors import UnsupportedModelError
+from criticalkv.errors import CriticalKVError, UnsupportedModelError
 
 #: ``config.model_type`` -> human-readable family name. Iterating yields the model types in order.
 SUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
@@ -92,3 +92,12 @@ def head_dim(config: PretrainedConfig) -> int:
     if value is not None:
         return int(value)
     return int(cfg.hidden_size // cfg.num_attention_heads)
+
+
+def check_length(config: PretrainedConfig, length: int, what: str = "length") -> int | None:
+    """Refuse ``length`` tokens when they exceed the model's ``max_position_embeddings``; return that maximum
+    (None when the config has none). ``what`` names the length in the error."""
+    max_length = getattr(text_config(config), "max_position_embeddings", None)
+    if max_length is not None and length > max_length:
+        raise CriticalKVError(f"{what} {length} exceeds the model's maximum of {max_length} positions")
+    return max_length
