@@ -133,3 +133,18 @@ def test_context_longer_than_the_model_refused_before_prefill(short_model, tmp_p
     _refused(["run", *model, "--context-tokens", "200"], "exceeds the model's maximum of 128 positions")
     _refused(["eval", "needle", *model, "--lengths", "64,200", "--out", str(tmp_path / "n")], "--lengths 200 exceeds")
     _refused(["perturbation", *model, "--length", "200", "--n", "1", "--out", str(tmp_path / "p")], "--length 200")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "--context-file", "/nonexistent.txt", "--question", "hi"], "--context-file /nonexistent.txt is not"),
+        (["perturbation", "--from-json", "/nonexistent.json"], "cannot read /nonexistent.json"),
+        (["perturbation", "--n", "0", "--exhaustive-check", "--exhaustive-entries", "20"], "<= 16, got 200, 4, 20"),
+        (["perturbation", "--n", "0", "--exhaustive-check", "--exhaustive-trials", "0"], "got 0, 4, 12"),
+        (["eval", "needle", "--lengths", "512,abc"], "--lengths takes comma-separated ints, got '512,abc'"),
+        (["eval", "needle", "--depths", "0,x"], "--depths takes comma-separated floats"),
+    ],
+)
+def test_missing_files_and_bad_numbers_refused(no_model, args, message):
+    _refused(args, message)

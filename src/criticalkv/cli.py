@@ -111,8 +111,6 @@ def _writable(path: Path) -> None:
 def _document(tokenizer, context_file: Path | None, questions: list[str], context_tokens: int, depth: float, seed: int):
     """(context, [(question, expected answer or None, answer prefix)])."""
     if context_file is not None:
-        if not questions:
-            raise CriticalKVError("--context-file needs at least one --question")
         return context_file.read_text(), [(q, None, "") for q in questions]
     from criticalkv.eval.needle import build_needle_sample
 
@@ -190,6 +188,10 @@ def _run(
         build_method(name, **options)  # fail on a bad name or option before loading anything
     if json_path is not None:
         _writable(json_path)
+    if context_file is not None and not context_file.is_file():
+        raise CriticalKVError(f"--context-file {context_file} is not a file")
+    if context_file is not None and not questions:
+        raise CriticalKVError("--context-file needs at least one --question")
     with console.status(f"loading {model_name}"):
         model, tokenizer = launch.load_model(model_name, dtype=dtype, device=device)
     layout = ParallelLayout.of(model)  # one process, or where this one sits in a torchrun split

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from criticalkv.analysis.capture import capture
+from criticalkv.analysis.exhaustive import MAX_ENTRIES as EXHAUSTIVE_MAX_ENTRIES
 from criticalkv.analysis.exhaustive import exhaustive_check as run_exhaustive_check
 from criticalkv.analysis.perturbation import (
     PromptResult,
@@ -188,7 +189,10 @@ def _payload(meta, results: list[PromptResult], methods, budgets, pairs, h_kv, e
 
 def load_results(path: Path) -> tuple[dict, list[PromptResult]]:
     """Read a ``perturbation.json`` back into its payload and one ``PromptResult`` per prompt."""
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise CriticalKVError(f"cannot read {path}: {error}") from None
     if "results" not in data:
         raise CriticalKVError(f"{path} holds no per-prompt results")
     results = []
@@ -340,6 +344,13 @@ def run_analysis(
         raise CriticalKVError(f"--mode must be one of {list(MODES)}, got {mode!r}")
     if n < 0 or length < 1 or generate < 0:
         raise CriticalKVError("--n, --length and --generate must be >= 0, >= 1 and >= 0")
+    if exhaustive_check and not (
+        exhaustive_trials >= 1 and 1 <= exhaustive_budget <= exhaustive_entries <= EXHAUSTIVE_MAX_ENTRIES
+    ):
+        raise CriticalKVError(
+            f"--exhaustive-trials must be >= 1 and 1 <= --exhaustive-budget <= --exhaustive-entries <= "
+            f"{EXHAUSTIVE_MAX_ENTRIES}, got {exhaustive_trials}, {exhaustive_budget}, {exhaustive_entries}"
+        )
     if mode == "aware" and generate == 0:
         raise CriticalKVError("--mode aware with --generate 0 leaves no query after the compressed prompt")
     out.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,14 @@ def _split(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _numbers(text: str, cast: type, option: str) -> list:
+    """The comma-separated numbers of ``option``, each read by ``cast`` (int or float)."""
+    try:
+        return [cast(x) for x in _split(text)]
+    except ValueError:
+        raise CriticalKVError(f"{option} takes comma-separated {cast.__name__}s, got {text!r}") from None
+
+
 def _methods(text: str) -> list[str]:
     """The comma-separated method specs, each built once so a bad name or option fails before the model loads."""
     names = _split(text)
@@ -144,8 +152,8 @@ def needle(
         names = _methods(methods)
         regime = "aware" if question_aware else "agnostic"
         folder = out or Path("results") / f"needle-{Path(model).name}-{regime}"
+        grid = {"lengths": _numbers(lengths, int, "--lengths"), "depths": _numbers(depths, float, "--depths")}
         loaded, tokenizer = launch.load_model(model, device=device)
-        grid = {"lengths": [int(x) for x in _split(lengths)], "depths": [float(x) for x in _split(depths)]}
         check_length(loaded.config, max(grid["lengths"], default=0), "--lengths")
         cells = needle_grid(tokenizer, grid["lengths"], grid["depths"], seed)
         items = [
