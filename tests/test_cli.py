@@ -148,3 +148,9 @@ def test_context_longer_than_the_model_refused_before_prefill(short_model, tmp_p
 )
 def test_missing_files_and_bad_numbers_refused(no_model, args, message):
     _refused(args, message)
+
+
+def test_perturbation_help_shows_the_out_default():
+    result = CliRunner().invoke(app, ["perturbation", "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0
+    assert "the PNGs (default: results/perturbation; with --from-json, that file's folder)" in result.output

@@ -490,8 +490,8 @@ def perturbation(
     out: Annotated[
         Path | None,
         typer.Option(
-            help="Output folder of perturbation.json and the PNGs [default: results/perturbation; with --from-json, "
-            "that file's folder]."
+            help="Output folder of perturbation.json and the PNGs (default: results/perturbation; with --from-json, "
+            "that file's folder)."
         ),
     ] = None,
     pairs: Annotated[
