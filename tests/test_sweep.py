@@ -195,12 +195,12 @@ def test_resuming_a_folder_with_other_settings_is_refused(tmp_path, tiny_tokeniz
 def test_adding_methods_to_a_sweep_answers_only_the_new_pairs(tmp_path, tiny_tokenizer):
     """No pair answers a sample twice: the report would count the sample twice."""
     model, samples = _setup(tiny_tokenizer)
-    kwargs = dict(budgets=[Budget(0.3)], regime="agnostic", out_dir=tmp_path, max_new_tokens=lambda s: 2)
-    run_sweep(model, tiny_tokenizer, samples[:2], _score, methods=["snapkv"], **kwargs)
+    kwargs = dict(budgets=[Budget(0.3)], regime="agnostic", out_dir=tmp_path / "new", max_new_tokens=lambda s: 2)
+    run_sweep(model, tiny_tokenizer, samples[:2], _score, methods=["snapkv"], **kwargs)  # creates its folder
     rows = run_sweep(model, tiny_tokenizer, samples[:2], _score, methods=["snapkv", "critical-snapkv"], **kwargs)
     assert sorted((r.index, r.method) for r in rows) == [(0, "critical-snapkv"), (1, "critical-snapkv")]
     assert all(0 < r.kept_fraction < 1 for r in rows)  # against the full cache, prefilled though not answered
-    stored = load_rows(tmp_path / "results.jsonl")
+    stored = load_rows(tmp_path / "new" / "results.jsonl")
     keys = [(r.task, r.index, r.method, r.budget) for r in stored]
     assert len(keys) == len(set(keys)) == 2 * 3
     assert run_sweep(model, tiny_tokenizer, samples[:2], _score, methods=["critical-snapkv"], **kwargs) == []

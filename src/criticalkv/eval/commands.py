@@ -118,7 +118,7 @@ def ruler(
     except CriticalKVError as error:
         _fail(error)
     if launch.is_main_process():
-        console.print(f"wrote {write_report(folder, f'RULER-{length}, {Path(model).name}, question-{regime}')}")
+        console.print(f"wrote {write_report(folder)}")
 
 
 @dataclass

@@ -110,6 +110,8 @@ def run_sweep(
     path = out_dir / "results.jsonl"
     done = layout.from_main(_answered(path, regime) if layout.is_main else None)
     rows: list[Row] = []
+    if layout.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
     description = f"{regime} sweep, {len(pairs)} pairs"
     with step_progress(description, total, enabled=layout.is_main) as advance, _sink(path, layout.is_main) as sink:
         for sample in samples:
