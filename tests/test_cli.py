@@ -154,3 +154,14 @@ def test_perturbation_help_shows_the_out_default():
     result = CliRunner().invoke(app, ["perturbation", "--help"], env={"COLUMNS": "400"})
     assert result.exit_code == 0
     assert "the PNGs (default: results/perturbation; with --from-json, that file's folder)" in result.output
+
+
+def test_ruler_task_too_short_refused_before_the_sweep(short_model, tmp_path, monkeypatch):
+    """Every task's samples are generated before the first answer: a task too short fails at once, not midway."""
+
+    def sweep(*args, **kwargs):
+        raise AssertionError("the sweep started")
+
+    monkeypatch.setattr("criticalkv.eval.commands.run_sweep", sweep)
+    model = ["--model", str(short_model), "--device", "cpu", "--samples", "1", "--out", str(tmp_path / "r")]
+    _refused(["eval", "ruler", *model, "--tasks", "vt", "--length", "120"], "length 120 is too short for vt")

@@ -87,9 +87,12 @@ def ruler(
         loaded, tokenizer = launch.load_model(model, device=device)
         max_length = check_length(loaded.config, length)
 
-        def all_samples():
-            for task in chosen:
-                yield from ruler_data.generate(task, tokenizer, length, samples, seed=seed, max_length=max_length)
+        with console.status(f"generating {samples} samples of {len(chosen)} task(s)"):  # a task too short fails now
+            every = [
+                s
+                for task in chosen
+                for s in ruler_data.generate(task, tokenizer, length, samples, seed=seed, max_length=max_length)
+            ]
 
         def budget_of(sample) -> int:
             default = ruler_data.TOKENS_TO_GENERATE[sample.task]
@@ -98,7 +101,7 @@ def ruler(
         run_sweep(
             loaded,
             tokenizer,
-            all_samples(),
+            every,
             ruler_data.score,
             names,
             parsed,
