@@ -18,7 +18,14 @@ from typer.testing import CliRunner
 
 import criticalkv
 from criticalkv.analysis.capture import attention_modules, capture
-from criticalkv.analysis.command import TEXT_QUESTION, essay_window_prompts, parse_pairs, perturbation, window_prompts
+from criticalkv.analysis.command import (
+    TEXT_QUESTION,
+    essay_window_prompts,
+    parse_pairs,
+    perturbation,
+    run_analysis,
+    window_prompts,
+)
 from criticalkv.analysis.exhaustive import (
     exhaustive_check,
     optimal_subset,
@@ -37,7 +44,7 @@ from criticalkv.analysis.perturbation import (
     violation_slack,
 )
 from criticalkv.budget import Budget
-from criticalkv.errors import CriticalKVError
+from criticalkv.errors import CriticalKVError, UnsupportedModelError
 from criticalkv.methods import build_method
 from criticalkv.selectors import projected_value_norm
 
@@ -467,3 +474,50 @@ def test_question_aware_regime(tiny_folder, tmp_path):
     assert payload["summary"]["subsets"] == ["all", "generated", "window"]
     with pytest.raises(CriticalKVError):
         run_analysis(model=str(tiny_folder), prompts=str(text), n=1, out=tmp_path, mode="aware", generate=0)
+
+
+def test_bound_counts_are_of_the_following_queries_only():
+    """The window's diagnostic queries have their own figures but stay out of the counts (docs: following queries)."""
+    model = _tiny_model()
+    cap = capture(model, _ids(150, 5), _ids(6, 6), generate=4)
+    methods = {"snapkv": build_method("snapkv"), "streaming": build_method("streaming")}
+    with_window, without = (
+        measure_prompt(model, cap, methods, [Budget(0.5)], window=w, hidden=False).scalars for w in (32, 0)
+    )
+    for key in with_window:
+        for count in ("kept_mass_below_half", "bound_violations_paper", "bound_violations_tight"):
+            assert with_window[key][count] == without[key][count], (key, count)
+    below = checked = 0
+    for c in cap.analysed:  # the share over the following queries, directly
+        attention = LayerAttention(
+            c.follow_query, c.keys, c.values, head_output_weights(c.module.o_proj.weight, c.query.shape[1]),
+            c.scaling, c.follow_keys, c.follow_values, c.valid,
+        )  # fmt: skip
+        kept_mass = attention.perturbation(kept_mask(methods["streaming"], c.view(), Budget(0.5))).kept_mass
+        below, checked = below + int((kept_mass < 0.5).sum()), checked + kept_mass.numel()
+    assert with_window[("streaming", "0.5")]["kept_mass_below_half"] == pytest.approx(below / checked)
+
+
+def test_analysis_refuses_methods_that_decide_layers_together(tmp_path):
+    for name in ("layer-defensive", "layer-defensive-bounded", "reconstruct", "critical-ada-reconstruct"):
+        with pytest.raises(CriticalKVError, match="per-layer methods only"):
+            run_analysis(model="unused", methods=f"snapkv,{name}", n=0, out=tmp_path)
+
+
+def test_a_model_without_full_attention_layers_is_refused():
+    from transformers import MistralConfig
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4096,  # every layer a sliding-window layer
+    )
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    cap = capture(model, _ids(60, 5), _ids(6, 6), generate=2)
+    with pytest.raises(UnsupportedModelError, match="no full-attention layer"):
+        measure_prompt(model, cap, {"snapkv": build_method("snapkv")}, [Budget(0.5)], hidden=False)

@@ -335,6 +335,12 @@ def run_analysis(
     if len(set(names)) != len(names):
         raise CriticalKVError(f"--methods lists a method twice: {names}")
     built = {name: build_method(name) for name in names}  # unknown names fail before any work
+    for name, method in built.items():  # the analysis decides each layer from its own prefill view
+        if method.deferred or getattr(method.allocator, "streaming", False):
+            raise CriticalKVError(
+                f"{name} decides layers together (a cross-layer budget or a reconstruction after the prefill); "
+                "the perturbation analysis takes per-layer methods only"
+            )
     parsed = [Budget.parse(b) for b in budgets.split(",") if b.strip()]
     if not parsed:
         raise CriticalKVError("--budgets needs at least one budget")
@@ -473,7 +479,11 @@ def perturbation(
         "smollm2-135m"
     ),
     methods: Annotated[
-        str, typer.Option(help="Comma-separated method presets; any preset name works. The first is the baseline.")
+        str,
+        typer.Option(
+            help="Comma-separated per-layer method presets (not the cross-layer or reconstruction ones). "
+            "The first is the baseline."
+        ),
     ] = "snapkv,critical-snapkv",
     budgets: Annotated[
         str, typer.Option(help="Comma-separated budgets: fractions (0.2) or entries per head (512).")
