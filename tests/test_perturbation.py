@@ -100,9 +100,9 @@ def _reference(query, keys, values, keep, weight, scaling, follow_keys, follow_v
 
 
 @functools.cache
-def _tiny_model(attn: str = "sdpa"):
+def _tiny_model(attn: str = "sdpa", config_class=LlamaConfig, **extra):
     torch.manual_seed(7)
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=VOCAB,
         hidden_size=96,
         intermediate_size=128,
@@ -112,6 +112,7 @@ def _tiny_model(attn: str = "sdpa"):
         max_position_embeddings=1024,
         bos_token_id=0,
         eos_token_id=1,
+        **extra,
     )
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32).eval()
     with torch.no_grad():  # sharper attention than the default init, so evictions change the output visibly
@@ -507,17 +508,7 @@ def test_analysis_refuses_methods_that_decide_layers_together(tmp_path):
 def test_a_model_without_full_attention_layers_is_refused():
     from transformers import MistralConfig
 
-    torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=4096,  # every layer a sliding-window layer
-    )
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    model = _tiny_model(config_class=MistralConfig, sliding_window=4096)  # every layer a sliding-window layer
     cap = capture(model, _ids(60, 5), _ids(6, 6), generate=2)
     with pytest.raises(UnsupportedModelError, match="no full-attention layer"):
         measure_prompt(model, cap, {"snapkv": build_method("snapkv")}, [Budget(0.5)], hidden=False)
