@@ -422,6 +422,16 @@ def test_command_end_to_end(tiny_folder, tmp_path):
     assert (out / "hist_streaming_vs_critical-snapkv.png").exists()
 
 
+def test_summary_without_hidden_states_shows_dashes(tiny_folder, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 30)
+    args = ["perturbation", "--model", str(tiny_folder), "--methods", "snapkv,critical-snapkv", "--budgets", "0.5"]
+    args += ["--prompts", str(text), "--n", "1", "--length", "96", "--generate", "2", "--no-hidden"]
+    result = CliRunner().invoke(_app(), [*args, "--out", str(tmp_path / "out")], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "nan" not in result.output and "│ -" in result.output
+
+
 def test_window_prompts_are_consecutive_windows_of_the_text(tiny_tokenizer):
     text = " ".join(f"word{i}" for i in range(400))
     tokens = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -286,10 +286,15 @@ def _print_summary(summary: dict, methods, budgets) -> None:
                 f"{bd['mean_bound_paper']:.4g}",
                 f"{bd['mean_bound_tight']:.4g}",
                 f"{100 * bd['kept_mass_below_half']:.1f}%",
-                f"{hd.get('hidden_l1_all', math.nan):.4g}",
-                f"{hd.get('hidden_l1_relative_all', math.nan):.4f}",
+                _figure(hd.get("hidden_l1_all"), ".4g"),
+                _figure(hd.get("hidden_l1_relative_all"), ".4f"),
             )
     console.print(table)
+
+
+def _figure(value: float | None, spec: str) -> str:
+    """A summary figure for the table; "-" where it was not measured (``--no-hidden``: missing or NaN)."""
+    return "-" if value is None or math.isnan(value) else format(value, spec)
 
 
 def run_analysis(
