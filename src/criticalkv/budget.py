@@ -75,16 +75,14 @@ class Budget:
         if self.is_fraction:
             # The small tolerance makes 0.2 * 4095 (= 818.99999...) count as 819, as the decimal reads.
             n = torch.floor(lengths.double() * self.value + 1e-9).long()
-            if whole is not None:
-                n = torch.where(whole, lengths, n)
-            short = (n < 1) & (lengths > 0)
-            if bool(short.any()):
-                raise BudgetError(
-                    f"budget {self.value} of a {int(lengths[short][0])}-token context rounds to zero entries"
-                )
-            return torch.minimum(n, lengths)
-        n = torch.clamp(lengths, max=int(self.value))
-        return n if whole is None else torch.where(whole, lengths, n)
+        else:
+            n = torch.full_like(lengths, int(self.value))
+        if whole is not None:
+            n = torch.where(whole, lengths, n)
+        short = (n < 1) & (lengths > 0)  # only a fraction can round to zero: a count is >= 1
+        if bool(short.any()):
+            raise BudgetError(f"budget {self.value} of a {int(lengths[short][0])}-token context rounds to zero entries")
+        return torch.minimum(n, lengths)
 
     def __str__(self) -> str:
         return f"{self.value:g}" if self.is_fraction else f"{self.value} entries per head"

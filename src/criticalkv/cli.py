@@ -199,15 +199,15 @@ def _run(
     from criticalkv.eval.needle import encode_prompt
 
     context, asked = _document(tokenizer, context_file, questions, context_tokens, depth, seed)
-    for q, _, prefix_text in asked:  # every prompt fits the model, checked before any prefill
-        check_length(model.config, sum(map(len, encode_prompt(tokenizer, context, q, prefix_text))), "prompt length")
+    encoded = [encode_prompt(tokenizer, context, q, answer_prefix=prefix_text) for q, _, prefix_text in asked]
+    for prefix_ids, suffix_ids in encoded:  # every prompt fits the model, checked before any prefill
+        check_length(model.config, len(prefix_ids) + len(suffix_ids), "prompt length")
     eos = tokenizer.eos_token_id
     results: list[RunResult] = []
     full_by_question: dict[str, tuple[int, int]] = {}
     for name in methods_:
         session = ContextSession(model, name, parsed_budget, **(options if name != "full" else {}))
-        for index, (q, expected, prefix_text) in enumerate(asked):
-            prefix_ids, suffix_ids = encode_prompt(tokenizer, context, q, answer_prefix=prefix_text)
+        for index, ((q, expected, _), (prefix_ids, suffix_ids)) in enumerate(zip(asked, encoded, strict=True)):
             if mode == "aware" or index == 0:
                 prompt = prefix_ids + suffix_ids if mode == "aware" else prefix_ids
                 with layer_progress(model, f"{name}: prefill {len(prompt)} tokens"):

@@ -341,7 +341,7 @@ def run_analysis(
         raise CriticalKVError(f"--methods lists a method twice: {names}")
     built = {name: build_method(name) for name in names}  # unknown names fail before any work
     for name, method in built.items():  # the analysis decides each layer from its own prefill view
-        if method.deferred or getattr(method.allocator, "streaming", False):
+        if not method.per_layer:
             raise CriticalKVError(
                 f"{name} decides layers together (a cross-layer budget or a reconstruction after the prefill); "
                 "the perturbation analysis takes per-layer methods only"

@@ -109,6 +109,7 @@ def run_sweep(
         raise CriticalKVError(conflict)
     path = out_dir / "results.jsonl"
     done = layout.from_main(_answered(path, regime) if layout.is_main else None)
+    unrecorded = settings if layout.is_main and stored_settings(out_dir) is None else None  # until the first row
     rows: list[Row] = []
     if layout.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -123,8 +124,9 @@ def run_sweep(
             sample_rows = _answer(
                 model, tokenizer, sample, score, todo, regime, max_new_tokens(sample), layout, batch_answers
             )
-            if layout.is_main and settings is not None and stored_settings(out_dir) is None:
-                _record_settings(out_dir, settings)  # with the first row: a run that fails before leaves none
+            if unrecorded is not None:  # with the first row: a run that fails before leaves no settings
+                _record_settings(out_dir, unrecorded)
+                unrecorded = None
             for row in sample_rows:
                 sink.write(json.dumps(asdict(row)) + "\n")
             sink.flush()
@@ -220,7 +222,7 @@ def _settings_conflict(out_dir: Path, settings: dict | None) -> str | None:
 
 def _record_settings(out_dir: Path, settings: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / SETTINGS_FILE).write_text(json.dumps(json.loads(json.dumps(settings)), indent=2) + "\n")
+    (out_dir / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
 
 
 def stored_settings(folder: Path) -> dict | None:

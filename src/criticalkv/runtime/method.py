@@ -73,6 +73,11 @@ class Method:
         return self.defer or cross_layer or bool(getattr(self.scorer, "after_prefill", False))
 
     @property
+    def per_layer(self) -> bool:
+        """True when ``decide`` takes one layer's view alone: not deferred, no state carried from layer to layer."""
+        return not (self.deferred or getattr(self.allocator, "streaming", False))
+
+    @property
     def query_rows(self) -> int:
         """Last query rows of a prefill that scoring and selection read (a deferred layer keeps only these)."""
         return max(int(getattr(piece, "window", 1)) for piece in (self.scorer, self.allocator, self.selector))
