@@ -28,6 +28,29 @@ from criticalkv.models.presets import load_model
 from criticalkv.runtime.session import ContextSession
 
 
+def run_ratios(
+    times: dict[str, list[float]], compression: dict[str, list[float]], first: str
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Per method, the medians over the repeats of two ratios (CPU times; the lists hold one figure per repeat):
+
+    within: the prefill against its own work outside compression, t / (t - c): both halves see the same state of
+    the machine. rest: the prefill outside compression against ``first``'s prefill of the same repeat,
+    (t - c) / t_first: what compressing costs the rest of the forward (the attention function, the cache, the
+    memory it frees), the compression left out.
+    """
+    within = {
+        name: statistics.median(t / (t - c) for t, c in zip(times[name], compression[name], strict=True))
+        for name in times
+    }
+    rest = {
+        name: statistics.median(
+            (t - c) / base for t, c, base in zip(times[name], compression[name], times[first], strict=True)
+        )
+        for name in times
+    }
+    return within, rest
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -66,21 +89,7 @@ def main() -> None:
             compressor = sessions[name].compressor
             compression[name].append(compressor.compress_cpu_seconds if compressor else 0.0)
     base = statistics.median(times[methods[0]])
-    # the same run's prefill against its own work outside compression: both halves see the same state of the machine
-    within = {  # only where both are CPU times
-        name: statistics.median(t / (t - c) for t, c in zip(times[name], compression[name], strict=True))
-        for name in methods
-        if args.clock == "cpu"
-    }
-    # the prefill outside compression against the first method's prefill of the same repeat: what compressing costs
-    # the rest of the forward (the attention function, the cache, the memory it frees), compression left out
-    rest = {
-        name: statistics.median(
-            (t - c) / first for t, c, first in zip(times[name], compression[name], times[methods[0]], strict=True)
-        )
-        for name in methods
-        if args.clock == "cpu"
-    }
+    within, rest = run_ratios(times, compression, methods[0]) if args.clock == "cpu" else ({}, {})
     report = {
         "command": "python benchmarks/prefill_overhead.py "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from plot_benchmarks import (
     paired_table,
     phase_table,
 )
+from prefill_overhead import run_ratios
 from quality_vs_kvpress import trim_at_eos
 from speed_memory import kvpress_ratio, run_child, summarise
 
@@ -31,6 +33,16 @@ def test_kvpress_ratio_keeps_the_same_count(t: int, tenths: int) -> None:
     ratio = kvpress_ratio(budget, t)
     assert 0 <= ratio < 1
     assert max(1, int(t * (1 - ratio))) == math.floor(t * tenths / 10)
+
+
+def test_prefill_overhead_ratios_pair_each_repeat_with_the_first_methods() -> None:
+    """within = median of t / (t - c); rest = median of (t - c) / t_first, repeat by repeat (not of medians)."""
+    times = {"full": [10.0, 20.0, 12.0], "snapkv": [11.0, 21.0, 12.6]}
+    compression = {"full": [0.0, 0.0, 0.0], "snapkv": [1.0, 0.5, 0.6]}
+    within, rest = run_ratios(times, compression, "full")
+    assert within["full"] == rest["full"] == 1.0
+    assert within["snapkv"] == pytest.approx(statistics.median([11 / 10, 21 / 20.5, 12.6 / 12.0]))
+    assert rest["snapkv"] == pytest.approx(statistics.median([10 / 10, 20.5 / 20, 12.0 / 12.0]))
 
 
 def test_trim_at_eos() -> None:
