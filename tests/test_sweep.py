@@ -129,6 +129,17 @@ def test_report_loss_compares_with_the_full_cache_on_the_same_samples(tmp_path):
     assert by_method["snapkv"]["loss"] == 0.5  # against the full cache's 100 on sample a#0, not its 75 overall
 
 
+def test_report_counts_a_sample_answered_twice_once():
+    """Folders resumed before the sweep answered only missing pairs hold repeated rows: one sample, counted once."""
+    rows = [Row("a", i, "agnostic", "full", 1.0, 100.0, "", 100, 1.0) for i in range(2)]
+    rows += [Row("a", 0, "agnostic", "snapkv", 0.2, 0.0, "", 100, 0.2)] * 2
+    rows += [Row("a", 1, "agnostic", "snapkv", 0.2, 100.0, "", 100, 0.2)]
+    by_method = {e["method"]: e for e in summarise(rows)["rows"]}
+    assert by_method["snapkv"]["samples"] == 2 and by_method["snapkv"]["mean"] == 50.0
+    with pytest.raises(CriticalKVError, match="scored twice for snapkv"):
+        summarise([*rows, Row("a", 1, "agnostic", "snapkv", 0.2, 0.0, "", 100, 0.2)])
+
+
 def test_report_names_each_rows_samples_when_they_differ(tmp_path):
     rows = [Row(t, i, "agnostic", "full", 1.0, 100.0, "", 100, 1.0) for t in ("a", "b") for i in range(2)]
     rows += [Row("a", i, "agnostic", "snapkv", 0.2, 0.0, "", 100, 0.2) for i in range(2)]

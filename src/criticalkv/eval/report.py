@@ -11,6 +11,7 @@ from statistics import mean
 import matplotlib
 from matplotlib.figure import Figure
 
+from criticalkv.errors import CriticalKVError
 from criticalkv.eval.sweep import Row, load_rows, stored_settings
 
 
@@ -19,13 +20,22 @@ def summarise(rows: list[Row]) -> dict:
 
     loss = (full - method) / full on the same samples, per regime (evaluation.md): where a pair answered only some
     samples (a run in progress, merged folders), the full cache's mean is taken over those samples alone.
+
+    A sample answered twice by one pair (folders that resumed runs appended to before the sweep answered only
+    missing pairs) counts once; two different scores for it raise ``CriticalKVError``.
     """
-    by_key: dict[tuple, list[float]] = defaultdict(list)
     answered: dict[tuple, dict[tuple[str, int], float]] = defaultdict(dict)  # (regime, method, budget) -> scores
     for r in rows:
-        by_key[(r.regime, r.method, r.budget, r.task)].append(r.score)
-        answered[(r.regime, r.method, r.budget)][(r.task, r.index)] = r.score
-    tasks = sorted({r.task for r in rows})
+        if answered[(r.regime, r.method, r.budget)].setdefault((r.task, r.index), r.score) != r.score:
+            raise CriticalKVError(
+                f"{r.task} sample {r.index} is scored twice for {r.method} at {r.budget} ({r.regime}), differently:"
+                " the folder mixes runs of other settings or code"
+            )
+    by_key: dict[tuple, list[float]] = defaultdict(list)
+    for (regime, method, budget), scores in answered.items():
+        for (task, _), score in scores.items():
+            by_key[(regime, method, budget, task)].append(score)
+    tasks = sorted({task for (_, _, _, task) in by_key})
     table: dict[str, dict] = {}
     for regime, method, budget, task in sorted(by_key, key=str):
         entry = table.setdefault(
