@@ -144,10 +144,23 @@ def test_context_longer_than_the_model_refused_before_prefill(short_model, tmp_p
         (["perturbation", "--n", "0", "--exhaustive-check", "--exhaustive-trials", "0"], "got 0, 4, 12"),
         (["eval", "needle", "--lengths", "512,abc"], "--lengths takes comma-separated ints, got '512,abc'"),
         (["eval", "needle", "--depths", "0,x"], "--depths takes comma-separated floats"),
+        (["calibrate-heads", "--lengths", "1024,2k"], "--lengths takes comma-separated ints, got '1024,2k'"),
     ],
 )
 def test_missing_files_and_bad_numbers_refused(no_model, args, message):
     _refused(args, message)
+
+
+def test_calibrate_heads_lets_a_calibration_bug_surface(monkeypatch):
+    """Only --lengths' parsing and CriticalKVError become a clean refusal: a ValueError of the calibration is a bug."""
+
+    def calibrate(*args, **kwargs):
+        raise ValueError("a bug in the calibration")
+
+    monkeypatch.setattr("criticalkv.allocators.head_profile.calibrate_preset", calibrate)
+    result = CliRunner().invoke(app, ["calibrate-heads", "--lengths", "96"])
+    assert isinstance(result.exception, ValueError) and result.exit_code == 1
+    assert "error:" not in result.output
 
 
 def test_perturbation_help_shows_the_out_default():

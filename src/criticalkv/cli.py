@@ -21,6 +21,7 @@ from criticalkv.budget import Budget
 from criticalkv.distributed import launch
 from criticalkv.distributed.layout import ParallelLayout
 from criticalkv.errors import CriticalKVError
+from criticalkv.eval.commands import _numbers
 from criticalkv.eval.commands import app as eval_app
 from criticalkv.methods import PRESETS, build_method, parse_option_value
 from criticalkv.models.families import check_length
@@ -300,9 +301,9 @@ def calibrate_heads(
     from criticalkv.allocators.head_profile import calibrate_preset
 
     try:
-        sizes = tuple(int(x) for x in lengths.split(","))
+        sizes = tuple(_numbers(lengths, int, "--lengths"))
         _, path = calibrate_preset(model, out, samples=samples, lengths=sizes, seed=seed, device=device)
-    except (CriticalKVError, ValueError) as error:
+    except CriticalKVError as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from None
     console.print(f"saved {path}")
