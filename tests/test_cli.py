@@ -163,6 +163,13 @@ def test_calibrate_heads_lets_a_calibration_bug_surface(monkeypatch):
     assert "error:" not in result.output
 
 
+def test_calibrate_heads_refuses_an_unwritable_out_before_loading(no_model, tmp_path):
+    """The profile is saved after minutes of calibration: a path it cannot be written to is refused first."""
+    (tmp_path / "file").write_text("")
+    _refused(["calibrate-heads", "--out", str(tmp_path / "file" / "p.json")], "cannot create the folder of")
+    _refused(["calibrate-heads", "--out", str(tmp_path)], f"cannot write {tmp_path}")
+
+
 def test_perturbation_help_shows_the_out_default():
     result = CliRunner().invoke(app, ["perturbation", "--help"], env={"COLUMNS": "400"})
     assert result.exit_code == 0

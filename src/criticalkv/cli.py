@@ -302,6 +302,8 @@ def calibrate_heads(
 
     try:
         sizes = tuple(_numbers(lengths, int, "--lengths"))
+        if out is not None:
+            _writable(out)
         _, path = calibrate_preset(model, out, samples=samples, lengths=sizes, seed=seed, device=device)
     except CriticalKVError as error:
         console.print(f"[red]error:[/red] {error}")
