@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 
 import criticalkv
 from criticalkv.allocators import (
@@ -441,4 +441,26 @@ def test_calibration_runs_on_a_tiny_model(tiny_tokenizer):
     assert profile.matrix.shape == (2, 2) and bool((profile.matrix >= 0.01).all())
     assert torch.tensor(profile.query_scores).shape == (2, 4)
     assert profile.measurement["samples"] == 2 and profile.measurement["lengths"] == [96]
+    assert not profile.mismatches(model.config)
+
+
+def test_calibration_runs_on_a_model_with_sliding_window_layers(tiny_tokenizer):
+    """Gemma 3's sliding layers hold only their window: each layer's hits are counted on the positions it holds."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=tiny_tokenizer.vocab_size,
+        num_hidden_layers=2,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=512,
+    )
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    profile = calibrate_head_profile(model, tiny_tokenizer, samples=2, lengths=(96,), progress=False, name="tiny")
+    assert profile.matrix.shape == (2, 2) and bool((profile.matrix >= 0.01).all())
+    assert torch.tensor(profile.query_scores).shape == (2, 4)
     assert not profile.mismatches(model.config)

@@ -265,7 +265,8 @@ def _sample_hits(
     """Hit rates (layers, q_heads) of one sample: top-k (k = needle length) and top-1 (Wu et al.).
 
     The prompt is prefilled with the model's own attention; the answer is then teacher-forced with eager
-    attention so that only the (answer x context) attention rows are materialised.
+    attention so that only the (answer x context) attention rows are materialised. A sliding-window layer's
+    keys are the last positions only (its window), so each layer's keys are matched to the positions they hold.
     """
     device = model.device
     out = model(input_ids=torch.tensor([prompt[:-1]], device=device), use_cache=True, logits_to_keep=1)
@@ -279,22 +280,22 @@ def _sample_hits(
         out = model(input_ids=forced, output_attentions=True, logits_to_keep=1, **{name: cache})
     finally:
         model.set_attn_implementation(base)
-    attn = torch.stack([a[0].float() for a in out.attentions])  # (layers, h_q, n_answer, keys)
-    keys = attn.shape[-1]
-    ids = torch.tensor(prompt + answer[:-1], device=attn.device)[:keys]  # token at every key position
-    in_needle = torch.zeros(keys, dtype=torch.bool, device=attn.device)
+    ids = torch.tensor(prompt + answer[:-1], device=device)  # token at every position: (n,)
+    in_needle = torch.zeros(len(ids), dtype=torch.bool, device=device)
     in_needle[span[0] : span[1]] = True
-    steps = torch.tensor(copy, device=attn.device)  # (n_answer,) which answer tokens are copied from the needle
-    target = torch.tensor(answer, device=attn.device)
-    # match[s, j]: key j is a needle token equal to the token answer step s produces (Wu et al.'s copy test)
-    match = in_needle[None, :] & (ids[None, :] == target[:, None])  # (n_answer, keys)
-    k = min(span[1] - span[0], keys)
-    rates = []
-    for kk in (k, 1):
-        top = attn.topk(kk, dim=-1).indices  # (layers, h_q, n_answer, kk)
-        hit = match[None, None].expand(*top.shape[:2], -1, -1).gather(-1, top).any(-1)  # (layers, h_q, n_answer)
-        rates.append(hit[..., steps].float().mean(-1))
-    return rates[0], rates[1]
+    steps = torch.tensor(copy, device=device)  # (n_answer,) which answer tokens are copied from the needle
+    target = torch.tensor(answer, device=device)
+    # match[s, j]: position j is a needle token equal to the token answer step s produces (Wu et al.'s copy test)
+    match = in_needle[None, :] & (ids[None, :] == target[:, None])  # (n_answer, n)
+    rates: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for layer in out.attentions:
+        attn = layer[0].float()  # (h_q, n_answer, keys): the layer's keys are the last ``keys`` positions
+        seen = match[:, -attn.shape[-1] :].to(attn.device)  # (n_answer, keys)
+        for found, kk in zip(rates, (min(span[1] - span[0], attn.shape[-1]), 1), strict=True):
+            top = attn.topk(kk, dim=-1).indices  # (h_q, n_answer, kk)
+            hit = seen[None].expand(attn.shape[0], -1, -1).gather(-1, top).any(-1)  # (h_q, n_answer)
+            found.append(hit[:, steps.to(attn.device)].float().mean(-1).cpu())
+    return torch.stack(rates[0]), torch.stack(rates[1])
 
 
 def calibrate_head_profile(
