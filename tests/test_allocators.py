@@ -329,6 +329,18 @@ def test_load_profile_finds_shipped_and_user_profiles(tmp_path, monkeypatch):
     assert load_profile(tiny).name == "test"
 
 
+def test_a_ragged_profile_file_is_a_clear_error_and_hides_no_other(tmp_path, monkeypatch):
+    monkeypatch.setattr(head_profile_module, "user_profile_dir", lambda: tmp_path)
+    tiny = _config(layers=2, heads=4, kv_heads=2)
+    data = _profile(tiny).to_dict()
+    data["importance"] = [[1.0, 2.0], [3.0]]  # a hand-edited file with a short row
+    (tmp_path / "a-ragged.json").write_text(json.dumps(data))
+    with pytest.raises(HeadProfileError, match="malformed head profile"):
+        HeadProfile.load(tmp_path / "a-ragged.json")
+    _profile(tiny).save(tmp_path / "b-tiny.json")
+    assert load_profile(tiny).name == "test"
+
+
 @pytest.mark.parametrize("preset", [p.name for p in MODEL_PRESETS.values()])
 def test_every_model_preset_ships_a_head_profile_of_its_shape(tmp_path, monkeypatch, preset):
     monkeypatch.setattr(head_profile_module, "user_profile_dir", lambda: tmp_path)  # shipped profiles only

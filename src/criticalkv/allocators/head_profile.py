@@ -178,7 +178,7 @@ class HeadProfile:
                 query_scores=data.get("query_scores"),
                 **{k: data["model"][k] for k in (*SHAPE_FIELDS, "head_dim")},
             )
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:  # ValueError: rows of unequal length
             raise HeadProfileError(f"malformed head profile: missing or bad field {exc}") from None
 
     def save(self, path: str | Path) -> Path:
