@@ -21,8 +21,8 @@ from criticalkv.budget import Budget
 from criticalkv.distributed import launch
 from criticalkv.distributed.layout import ParallelLayout
 from criticalkv.errors import CriticalKVError
-from criticalkv.eval.commands import _numbers
 from criticalkv.eval.commands import app as eval_app
+from criticalkv.eval.commands import parse_numbers
 from criticalkv.methods import PRESETS, build_method, parse_option_value
 from criticalkv.models.families import check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, list_presets
@@ -301,7 +301,7 @@ def calibrate_heads(
     from criticalkv.allocators.head_profile import calibrate_preset
 
     try:
-        sizes = tuple(_numbers(lengths, int, "--lengths"))
+        sizes = tuple(parse_numbers(lengths, int, "--lengths"))
         if out is not None:
             _writable(out)
         _, path = calibrate_preset(model, out, samples=samples, lengths=sizes, seed=seed, device=device)

@@ -27,7 +27,7 @@ def _split(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def _numbers(text: str, cast: type, option: str) -> list:
+def parse_numbers(text: str, cast: type, option: str) -> list:
     """The comma-separated numbers of ``option``, each read by ``cast`` (int or float)."""
     try:
         return [cast(x) for x in _split(text)]
@@ -155,7 +155,7 @@ def needle(
         names = _methods(methods)
         regime = "aware" if question_aware else "agnostic"
         folder = out or Path("results") / f"needle-{Path(model).name}-{regime}"
-        grid = {"lengths": _numbers(lengths, int, "--lengths"), "depths": _numbers(depths, float, "--depths")}
+        grid = {"lengths": parse_numbers(lengths, int, "--lengths"), "depths": parse_numbers(depths, float, "--depths")}
         loaded, tokenizer = launch.load_model(model, device=device)
         check_length(loaded.config, max(grid["lengths"], default=0), "--lengths")
         cells = needle_grid(tokenizer, grid["lengths"], grid["depths"], seed)
