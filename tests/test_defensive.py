@@ -179,7 +179,7 @@ def _slow_rank(scores, row_budgets, protected, view, window, mass, mass_slice):
             for h in range(scores.shape[1])
             for i in cand
         }
-        top = max(weighted.values())
+        top = float(torch.nextafter(torch.tensor(max(weighted.values())), torch.tensor(math.inf)))
         target = mass - float(stats.window_mass(mass_slice)[row])
         cap = int(row_budgets[row]) - int((protected[row] & view.valid[row]).sum())
         for h in range(scores.shape[1]):
@@ -251,6 +251,33 @@ def test_mass_slices_agree_when_the_two_slices_carry_equal_mass():
     expected_reference = sum(window / (37 + i) for i in range(window)) / window
     assert stats.window_mass("intended")[0].item() == pytest.approx(expected_intended, rel=1e-5)
     assert stats.window_mass("reference")[0].item() == pytest.approx(expected_reference, rel=1e-5)
+
+
+def test_defensive_keeps_every_stage1_entry_and_a_row_as_alone():
+    """Stage 1 and the window must outrank the layer's largest weighted entry: tied with it, AdaKV's pooled contest
+    has one more top-valued candidate than places when stage 1 reaches its cap in every head, drops a stage-1
+    entry, and which head loses it follows torch.topk's order among ties, so a padded row differs from itself
+    alone."""
+    window, budget = 8, Budget(0.2)
+    padded = _view([60, 47], t=60, seed=24)
+    alone = LayerView(
+        padded.module,
+        padded.query[1:, :, 13:],
+        padded.keys[1:, :, 13:],
+        padded.values[1:, :, 13:],
+        padded.valid[1:, 13:],
+        padded.scaling,
+    )
+    method = build_method("defensive", window=window)
+    decision = method.decide(padded, budget)
+    protected = last_positions(padded, window)
+    candidates = padded.valid & ~protected
+    row_budgets = budget.entries_for(padded.lengths)
+    stats = window_statistics(padded, window)
+    stage1 = method.selector._stage1(row_budgets, protected, candidates, padded.valid, stats)
+    assert (stage1.sum(-1) == (row_budgets - window)[:, None]).all()  # the cap binds in every head
+    assert not (stage1 & ~decision.keep).any()
+    assert torch.equal(build_method("defensive", window=window).decide(alone, budget).keep[0], decision.keep[1, :, 13:])
 
 
 def test_select_breaks_ties_by_position():

@@ -27,8 +27,9 @@ class DefensiveSelector:
        position: each token's norms are normalised across heads.
     2. **stage 1**: per head, the context entries by descending mean window attention (``window_statistics``),
        as shares of the head's context mass, until their cumulative share reaches ``mass`` minus the window mass;
-       at most ``B - P`` of them (the row's budget per head minus its protected entries). They are raised to the
-       row's largest ``p``, the value the window has too, so they win every contest inside the layer.
+       at most ``B - P`` of them (the row's budget per head minus its protected entries). They are raised to
+       just above the row's largest ``p`` (the value the window has too), so they win every contest inside the
+       layer, also against the entry carrying that largest ``p``.
     3. everything else keeps ``p``.
 
     ``select`` then keeps, per head, the protected entries and the best ``r`` until the head's budget is full.
@@ -107,7 +108,8 @@ class DefensiveSelector:
             )
         shares = norms / norms.sum(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
         weighted = (scores * shares).masked_fill(~candidates[:, None, :], 0.0)  # (b, h_kv, t)
-        top = weighted.amax(dim=(1, 2))[:, None, None]  # (b, 1, 1)
+        # (b, 1, 1): strictly above every p, so no entry ties with stage 1 and the window
+        top = torch.nextafter(weighted.amax(dim=(1, 2)), weighted.new_tensor(float("inf")))[:, None, None]
         stage1 = self._stage1(row_budgets, protected, candidates, valid, stats)  # (b, h_kv, t)
         return torch.where(stage1 | protected[:, None, :], top, weighted)
 
