@@ -3,6 +3,7 @@ cross-layer allocators (reference and bounded) and ``CompressedLayer.shrink``.""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -530,6 +531,21 @@ def test_bounded_holds_one_dense_layer_and_at_most_the_final_budget():
     held = [compressed for _, compressed in observed["layer-defensive-bounded"]]
     assert max(held) <= final and held[-1] == final
     assert held[0] == 2 * 8 + 5 * 2 * (32 - 8)  # layer 0: its windows and the whole model's pool, until others compete
+
+
+def test_deferred_bounded_equals_per_layer_bounded():
+    """A deferred method (``defer=True``, or a scorer that waits for the end of the prefill) with the streaming
+    allocator decides every layer at the end; it refused with "use it through criticalkv.compress"."""
+    model = _model()
+    ids = torch.randint(0, 256, (2, 150), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, :20] = 0
+    method = build_method("layer-defensive-bounded", window=8)
+    out, records = _generate(model, method, ids, mask)
+    out_deferred, records_deferred = _generate(model, dataclasses.replace(method, defer=True), ids, mask)
+    assert torch.equal(out, out_deferred)
+    for a, b in zip(records, records_deferred, strict=True):
+        assert a.layer == b.layer and torch.equal(a.kept, b.kept) and torch.equal(a.keep, b.keep)
 
 
 def test_shared_prefill_bounded_target_equals_its_own_run():

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from criticalkv.allocators import Allocator, UniformAllocator
+from criticalkv.allocators.pyramid import compressed_layer_position
 from criticalkv.budget import Budget
 from criticalkv.errors import CriticalKVError
 from criticalkv.scorers import LayerView, Scorer
@@ -108,12 +109,17 @@ class Method:
         passes after the prefill. A cross-layer allocator splits the budget over every layer given; other
         allocators split each layer's budget over its heads, exactly as ``decide`` does layer by layer. A selector
         with a ``rank`` method re-scores each layer first (DefensiveKV): allocation and selection follow its ranking.
+        A streaming allocator given every layer of a prefill (a deferred method) decides them in order, its shrink
+        orders applied to the earlier layers' decisions.
         """
         streaming = bool(getattr(self.allocator, "streaming", False))
+        if streaming and state is None and len(views) == compressed_layer_position(views[0].module)[1]:
+            return self._stream(views, budget, scores)  # every layer of a prefill at once: a deferred method
         if streaming and (state is None or len(views) != 1):
             raise CriticalKVError(
-                f"{type(self.allocator).__name__} decides one layer at a time with the runtime's per-prefill state; "
-                "use it through criticalkv.compress, a ContextSession or a SharedPrefill"
+                f"{type(self.allocator).__name__} decides one layer at a time with the runtime's per-prefill state "
+                "(or every layer of a prefill at once); use it through criticalkv.compress, a ContextSession or a "
+                "SharedPrefill"
             )
         plans = [self._plan(view, budget) for view in views]
         if plans[0].all_whole:  # lengths, budget and protected positions are shared by every layer
@@ -140,6 +146,24 @@ class Method:
                 for s, p, v in zip(scores, plans, views, strict=True)
             ]
         return [self._select(view, plan, s, b) for view, plan, s, b in zip(views, plans, scores, budgets, strict=True)]
+
+    def _stream(self, views: list[LayerView], budget: Budget, scores: list[torch.Tensor] | None) -> list[Decision]:
+        """A streaming allocator's decisions for layers given together (a deferred method): layer by layer with one
+        state, each shrink order applied to the earlier layer's keep mask (b, h_kv, t) and budgets."""
+        state: dict = {}
+        decisions: list[Decision] = []
+        position = {view.module.layer_idx: index for index, view in enumerate(views)}
+        for index, view in enumerate(views):
+            layer_scores = None if scores is None else [scores[index]]
+            decision = self.decide_layers([view], budget, layer_scores, state)[0]
+            for layer, order in decision.shrink.items():
+                earlier = decisions[position[layer]]
+                keep = torch.zeros_like(earlier.keep)
+                keep[earlier.keep] = order  # the order runs over the kept entries in storage (row-major) order
+                earlier.keep, earlier.budgets = keep, keep.sum(-1)
+            decision.shrink = {}
+            decisions.append(decision)
+        return decisions
 
     def _plan(self, view: LayerView, budget: Budget) -> _LayerPlan:
         def plan() -> _LayerPlan:
