@@ -163,6 +163,25 @@ def test_cli_run_under_torchrun(tiny_root: Path, monkeypatch):
         assert len(got["kv_bytes_per_rank"]) == 2
 
 
+def test_cli_agnostic_under_pipeline_stages(tiny_root: Path, monkeypatch):
+    """Question-agnostic ``criticalkv run`` over 2 pipeline stages: every method, the full cache (transformers' own
+    ``DynamicCache``) included, answers each question after the shared context as one process does."""
+    args = ["run", "--model", str(tiny_root / "model"), "--method", "critical-snapkv", "--mode", "agnostic"]
+    args += ["--context-tokens", "200", "--max-new-tokens", "12", "--dtype", "float32"]
+    args += ["--question", "What_is_the_quick_fox", "--question", "dog_lazy"]
+    _torchrun(tiny_root, "criticalkv.cli", "--pp-size", "2", *args, "--json", str(tiny_root / "pp-agnostic.json"))
+    monkeypatch.setenv("CRITICALKV_CACHE_DIR", str(tiny_root / "cache"))
+    single = CliRunner().invoke(app, [*args, "--json", str(tiny_root / "single-agnostic.json")])
+    assert single.exit_code == 0, single.output
+    split_report, single_report = (
+        json.loads((tiny_root / f).read_text()) for f in ("pp-agnostic.json", "single-agnostic.json")
+    )
+    assert split_report["parallel"] == {"tensor_parallel": 1, "pipeline_stages": 2}
+    for got, want in zip(split_report["results"], single_report["results"], strict=True):
+        assert (got["method"], got["answer"]) == (want["method"], want["answer"])
+        assert got["kv_bytes_after_compression"] == want["kv_bytes_after_compression"]
+
+
 def test_eval_under_torchrun_batches_answers_as_one_process(tiny_root: Path, monkeypatch):
     """``criticalkv eval needle`` split over 2 ranks, the compressed pairs answering as one batch on each rank's
     head shard, stores the answers of one process; only rank 0 writes."""

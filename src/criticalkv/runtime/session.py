@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DummyLayer
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
+from criticalkv.distributed.layout import stage_layers
 from criticalkv.runtime.api import make_compressor
 from criticalkv.runtime.compressor import Compressor
 from criticalkv.runtime.method import Method
@@ -27,6 +28,20 @@ class Generation:
     @property
     def decode_seconds_per_token(self) -> float:
         return sum(self.decode_seconds) / len(self.decode_seconds) if self.decode_seconds else float("nan")
+
+
+def full_cache(model: PreTrainedModel) -> DynamicCache:
+    """transformers' own cache for the full context. On a pipeline stage the layers other stages run are
+    ``DummyLayer``, as in ``CompressedCache``: transformers sizes masks from the first cache layer that is not one,
+    and that layer must be one this stage fills (an empty layer would size a question's mask to the question alone,
+    and ``get_seq_length`` would read 0, so a rewind would drop nothing)."""
+    cache = DynamicCache(config=model.config)
+    owned = stage_layers(model)
+    if owned is not None:
+        for index in range(len(cache.layers)):
+            if index not in owned:
+                cache.layers[index] = DummyLayer()
+    return cache
 
 
 class ContextSession:
@@ -97,7 +112,7 @@ class ContextSession:
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Prefill (and compress) the context: input_ids (b, t), left-padded if rows differ. Returns the last
         position's logits (b, vocab)."""
-        self.cache = self.compressor.new_cache() if self.compressor else DynamicCache(config=self.model.config)
+        self.cache = self.compressor.new_cache() if self.compressor else full_cache(self.model)
         # Sliding-window layers (Gemma 3) drop what leaves their window unless told to keep it for a rewind.
         self.cache.activate_past_recording()
         self.mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
@@ -166,17 +181,17 @@ class ContextSession:
         """Bytes of key/value storage the cache holds now."""
         if hasattr(self.cache, "nbytes"):
             return self.cache.nbytes()
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers if layer.is_initialized)
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self._filled_layers())
 
     def kv_entries(self) -> int:
         """(batch, layer, head, token) entries the cache holds now."""
         if hasattr(self.cache, "entries"):
             return self.cache.entries()
-        return sum(
-            layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2]
-            for layer in self.cache.layers
-            if layer.is_initialized
-        )
+        return sum(layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2] for layer in self._filled_layers())
+
+    def _filled_layers(self) -> list:
+        """The layers of a transformers cache that hold keys (not another pipeline stage's ``DummyLayer``)."""
+        return [layer for layer in self.cache.layers if layer.is_initialized and layer.keys is not None]
 
     # --- internals ---------------------------------------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, full_mask: torch.Tensor) -> torch.Tensor:
