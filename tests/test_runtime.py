@@ -510,6 +510,21 @@ def test_session_question_agnostic(capture_decisions):
     assert 0 < session.compressor.compress_cpu_seconds < 1e9  # each prefill counts its own compression only
 
 
+@pytest.mark.parametrize("budget", [0.2, 200], ids=["compressed", "kept-whole"])
+@pytest.mark.parametrize("method", ["critical-snapkv", "critical-adakv"])  # one width per layer (joined), or not
+def test_rewind_gives_back_the_answer_memory(method, budget):
+    """After an answer the session holds its compressed context alone again, as right after the prefill."""
+    model = _model("llama")
+    question = _ids(6, seed=41)
+    session = ContextSession(model, method, budget=budget)
+    session.prefill(_ids(120, seed=40))
+    held, entries = session.kv_bytes(), session.kv_entries()
+    first = session.ask(question, 120)
+    assert (session.kv_bytes(), session.kv_entries()) == (held, entries)  # no room kept for the 126 tokens
+    assert torch.equal(session.ask(question, 120).tokens, first.tokens)
+    assert session.kv_bytes() == held
+
+
 def test_session_full_matches_plain_generate():
     model = _model("qwen2")
     context, question = _ids(30, seed=30), _ids(4, seed=31)

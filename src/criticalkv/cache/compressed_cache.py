@@ -47,6 +47,12 @@ class CompressedCache(Cache):
         self.compressor.active_cache = self  # the attention function right after this call reads it
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def compact(self) -> None:
+        """Give back every compressed layer's tail room beyond the tokens appended (``CompressedLayer.compact``)."""
+        for layer in self.layers:
+            if isinstance(layer, CompressedLayer):
+                layer.compact()
+
     def nbytes(self) -> int:
         """Bytes of key/value storage held by every layer (capacity, including sliding layers)."""
         total = 0

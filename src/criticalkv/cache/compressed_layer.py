@@ -172,6 +172,19 @@ class CompressedLayer(CacheLayerMixin):
         self.tail -= n
         self.seen -= n
 
+    def compact(self) -> None:
+        """Give back the tail's room beyond the tokens appended (after a rewind to the context: all of it), so the
+        layer holds what ``entries`` counts. ``crop`` keeps the room, as ``DynamicLayer.crop`` does; the next append
+        grows the tail again."""
+        if not self.is_initialized or self.pending or self.fresh:
+            return
+        if self._joined is not None:
+            end = self.uniform_width() + self.tail
+            if self._joined[0].shape[2] > end:
+                self._joined = (self._joined[0][:, :, :end].clone(), self._joined[1][:, :, :end].clone())
+        elif self.keys.shape[2] > self.tail:
+            self.keys, self.values = self.keys[:, :, : self.tail].clone(), self.values[:, :, : self.tail].clone()
+
     def reset(self) -> None:
         self.keys = self.values = self.lengths = self._context_keys = self._context_values = self._joined = None
         self.tail = self.seen = self.context_seen = 0

@@ -170,10 +170,13 @@ class ContextSession:
         return result
 
     def rewind(self) -> None:
-        """Drop everything appended after the context (question and answer tokens)."""
+        """Drop everything appended after the context (question and answer tokens) and give back the memory
+        they took: a compressed cache then holds its compressed context alone, as right after the prefill."""
         extra = self.cache.get_seq_length() - self.context_length
         if extra > 0:
             self.cache.crop(-extra)
+        if isinstance(self.cache, CompressedCache):
+            self.cache.compact()
         self.mask_with_pending = self.mask
 
     # --- accounting --------------------------------------------------------------------------------------------
