@@ -1,5 +1,8 @@
 """One prefill serving many (method, budget) pairs gives exactly the answers of separate runs."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
@@ -57,6 +60,21 @@ def test_shared_prefill_equals_separate_runs(kind):
             got = sessions[label].ask(question, max_new_tokens=6)
             assert torch.equal(got.tokens, expected.tokens), label
         assert sessions[label].kv_entries() == alone.kv_entries(), label
+
+
+def test_a_kept_session_holds_its_own_cache_alone():
+    """Keeping one pair's session (to ask it more questions) does not keep the other pairs' caches alive."""
+    model = _model("llama")
+    ids = torch.randint(0, 256, (1, 120), generator=torch.Generator().manual_seed(2))
+    sessions = SharedPrefill(model, PAIRS[:3]).prefill(ids)
+    others = [weakref.ref(sessions[label].cache) for label, _, _ in PAIRS[:2]]  # the full cache among them
+    kept = sessions[PAIRS[2][0]]
+    del sessions
+    gc.collect()
+    assert [ref() for ref in others] == [None, None]
+    alone = ContextSession(model, PAIRS[2][1], PAIRS[2][2])
+    alone.prefill(ids)
+    assert torch.equal(kept.ask(None, max_new_tokens=6).tokens, alone.ask(None, max_new_tokens=6).tokens)
 
 
 STACKED_PAIRS = [*PAIRS, ("adakv-0.3", "adakv", 0.3), ("critical-adakv-0.2", "critical-adakv", 0.2)]

@@ -332,8 +332,6 @@ def compressed_hidden_states(
         empty = capture.hidden.new_empty(capture.hidden.shape[0], 0, capture.hidden.shape[-1])
         runs[label] = CompressedRun(torch.cat(hidden, dim=1) if hidden else empty, same, kept, full)
         session.cache = None  # release this target's cache
-    for target in shared.targets:
-        target.cache = None
     return runs
 
 

@@ -29,7 +29,7 @@ class Target:
     label: str
     method: Method | None  # None: the full cache
     budget: Budget
-    cache: CompressedCache | None = None
+    cache: CompressedCache | None = None  # during the prefill; its session holds it afterwards
     records: list[LayerRecord] = field(default_factory=list)
     pending: list[PendingLayer] = field(default_factory=list)  # a deferred method's dense layers
     state: dict = field(default_factory=dict)  # the method's scratch dict for this prefill (streaming allocators)
@@ -93,7 +93,10 @@ class SharedPrefill(Compressor):
         for target in self.targets:
             target.cache.activate_past_recording()  # sliding layers can then be rewound after each answer
         last = out.logits[:, -1, :].float()
-        return {t.label: ContextSession.from_cache(self.model, self, t.cache, mask, last) for t in self.targets}
+        sessions = {t.label: ContextSession.from_cache(self.model, self, t.cache, mask, last) for t in self.targets}
+        for target in self.targets:  # each session holds its own cache: one kept session keeps no other alive
+            target.cache = None
+        return sessions
 
     def compress_layer(
         self,
