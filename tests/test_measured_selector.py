@@ -293,6 +293,26 @@ def test_swaps_lower_the_objective_and_keep_the_anchor():
     assert scorer.protected(view).equal(protected)
 
 
+def test_an_anchored_entry_the_critical_start_left_out_may_be_swapped_in(monkeypatch):
+    """start="critical" with alpha below anchor: the anchor's best-scored entries that stage 2 dropped are not
+    frozen out of the search (they were: excluded and never swappable); those the start kept stay frozen in."""
+    view = _view([40], 40, h_kv=2, groups=2, seed=3, sharpness=1.0)
+    seen = {}
+
+    def improve(self, keep, free, *args):
+        seen["keep"], seen["free"] = keep, free
+        return keep
+
+    monkeypatch.setattr(WindowPerturbation, "improve", improve)
+    selector = PerturbationSelector(window=4, start="critical", alpha=0.1, anchor=1.0)
+    _select(view, 14, selector, window=4)
+    anchored, protected = _select(view, 14, TopKSelector(), window=4)  # anchor 1.0: the scorer's whole top 14
+    left_out = anchored & ~seen["keep"] & ~protected[:, None, :]
+    assert bool(left_out.any())  # CriticalKV's stage 2 chose other entries than the scores' top
+    assert bool((seen["free"] | ~left_out).all())
+    assert not bool((seen["free"] & anchored & seen["keep"]).any())
+
+
 @pytest.mark.parametrize(
     "options", [dict(search="l1"), dict(candidates_by="score"), dict(search="l1", candidates_by="score")]
 )

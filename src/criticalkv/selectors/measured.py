@@ -341,7 +341,9 @@ class PerturbationSelector:
     entries with the ``pool`` least useful kept ones and applies the number of pairs (1, 4, 16, ..., ``pool``) whose
     exact L is lowest, if it beats the current set. Protected entries (SnapKV's window) and the ``anchor`` share of
     the budget with the best scores stay kept: the window's 32 queries are a small sample of the queries that come
-    later, and the pooled scores of the best entries generalise where the window's exact perturbation overfits.
+    later, and the pooled scores of the best entries generalise where the window's exact perturbation overfits
+    (with ``start="critical"`` and ``alpha`` below ``anchor``, CriticalKV's second stage may leave some of that share
+    out: those are not forced in, and a swap may bring them back like any other entry).
     With ``objective="relative"`` (default) L sums each query head's loss relative to the starting set's, so the
     search lowers the loss of the group's heads alike instead of trading a small head's loss for a large head's gain.
     Budgets are unchanged. Deterministic, and per head never worse on L than its starting set.
@@ -457,7 +459,7 @@ class PerturbationSelector:
             anchored = take_top(
                 scores, anchored, view.valid, torch.floor(budgets * self.anchor).long() - anchored.sum(-1)
             )
-            free = free & ~anchored
+            free = free & ~(anchored & keep)  # an anchored entry the start left out may still be swapped in
         objective = WindowPerturbation.of_view(view, self.window, self.search)
         ranking = scores if self.candidates_by == "score" else None
         floor = self.floor if self.objective == "relative" else None
