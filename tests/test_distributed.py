@@ -27,6 +27,7 @@ from criticalkv.distributed import (
     cap_rank_imbalance,
     check_even_heads,
     check_model,
+    check_parallel_split,
     head_shard,
     launch,
     output_projection,
@@ -311,6 +312,23 @@ def test_uneven_heads_refused_before_loading(tmp_path, monkeypatch):
         presets.load_model(str(folder), distributed_config=DistributedConfig(tp_size=2))
     assert issubclass(UnevenHeadsError, UnsupportedModelError)
     check_even_heads(_config(96, heads=6, kv_heads=3), 3)  # 3 ranks: one KV head and two query heads each
+
+
+def test_tensor_and_pipeline_parallelism_together_refused_before_loading(tmp_path, monkeypatch):
+    """transformers 5.24 cannot load a model split both ways: its tensor-parallel plan names the modules that
+    pipeline parallelism has just removed from the stage (``KeyError: 'model.embed_tokens.weight'``)."""
+    folder = tmp_path / "tiny"
+    _config(96).save_pretrained(folder)
+
+    def never(*args, **kwargs):
+        raise AssertionError("weights loaded before the split was checked")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", never)
+    both = DistributedConfig(tp_size=2, pp_size=2)
+    with pytest.raises(UnsupportedModelError, match=r"2 tensor-parallel ranks x 2 pipeline stages.*--tp-size 4"):
+        presets.load_model(str(folder), distributed_config=both)
+    check_parallel_split(2, 1)  # one kind alone loads
+    check_parallel_split(1, 2)
 
 
 def test_uneven_heads_refused_before_the_first_forward():

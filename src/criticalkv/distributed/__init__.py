@@ -7,7 +7,13 @@ they compare, once per layer. Under pipeline parallelism each stage compresses t
 
 from criticalkv.distributed.balance import cap_rank_imbalance
 from criticalkv.distributed.heads import HeadShard, every_head, head_shard, output_projection
-from criticalkv.distributed.layout import ParallelLayout, UnevenHeadsError, check_even_heads, check_model
+from criticalkv.distributed.layout import (
+    ParallelLayout,
+    UnevenHeadsError,
+    check_even_heads,
+    check_model,
+    check_parallel_split,
+)
 
 __all__ = [
     "HeadShard",
@@ -16,6 +22,7 @@ __all__ = [
     "cap_rank_imbalance",
     "check_even_heads",
     "check_model",
+    "check_parallel_split",
     "every_head",
     "head_shard",
     "output_projection",

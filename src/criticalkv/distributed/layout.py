@@ -38,6 +38,23 @@ def check_even_heads(config: PretrainedConfig, tp_size: int) -> None:
     )
 
 
+def check_parallel_split(tp_size: int, pp_size: int) -> None:
+    """Raise ``UnsupportedModelError`` for tensor and pipeline parallelism together (``tp_size > 1 < pp_size``).
+
+    transformers (5.24) cannot load such a model: it resolves the tensor-parallel plan over every layer, then
+    pipeline parallelism replaces the layers (and embedding, head) of the other stages with identity modules, and
+    sharding the plan's first missing parameter fails with a ``KeyError``. Checked before any weight is loaded.
+    """
+    if tp_size <= 1 or pp_size <= 1:
+        return
+    n = tp_size * pp_size
+    raise UnsupportedModelError(
+        f"{tp_size} tensor-parallel ranks x {pp_size} pipeline stages: transformers cannot load a model split both "
+        "ways (its tensor-parallel plan names the layers that pipeline parallelism removes from each stage). Use one "
+        f"kind over the {n} processes: --tp-size {n} (tp_size={n}, if the heads divide) or --pp-size {n} (pp_size={n})."
+    )
+
+
 def _tp_size(model: PreTrainedModel) -> int:
     config = getattr(model.config, "distributed_config", None)
     return int(getattr(config, "tp_size", None) or 1)

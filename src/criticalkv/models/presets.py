@@ -380,8 +380,9 @@ def load_model(
     Raises
     ------
     UnsupportedModelError
-        The checkpoint's ``model_type`` is not a supported family, or its heads do not split evenly over the
-        tensor-parallel ranks of ``distributed_config`` (checked before loading weights).
+        The checkpoint's ``model_type`` is not a supported family, its heads do not split evenly over the
+        tensor-parallel ranks of ``distributed_config``, or ``distributed_config`` asks for tensor and pipeline
+        parallelism together (checked before loading weights).
     ModelAssetError
         A preset's packages are missing or corrupt.
     """
@@ -410,8 +411,9 @@ def load_model(
         raise
     check_supported(config)
     if distributed_config is not None:
-        from criticalkv.distributed.layout import check_even_heads
+        from criticalkv.distributed.layout import check_even_heads, check_parallel_split
 
+        check_parallel_split(distributed_config.tp_size, distributed_config.pp_size)
         check_even_heads(config, distributed_config.tp_size)
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=torch_dtype, attn_implementation=attn_implementation, distributed_config=distributed_config
