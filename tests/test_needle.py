@@ -145,3 +145,10 @@ def test_text_token_span_decodes_to_the_text(smollm2_tokenizer) -> None:
     assert smollm2_tokenizer.decode(prefix_ids[start:end]).strip() == sample.needle.strip()
     with pytest.raises(CriticalKVError):
         text_token_span(smollm2_tokenizer, prefix, "not in the prompt at all 0000000", len(prefix_ids))
+
+
+def test_length_shorter_than_the_needle_refused(tiny_tokenizer) -> None:
+    """A context with no room for haystack beside the needle is refused, not returned longer than asked."""
+    needle_tokens = n_tokens(tiny_tokenizer, build_needle_sample(tiny_tokenizer, 300, seed=1).needle)
+    with pytest.raises(CriticalKVError, match=f"the needle alone takes {needle_tokens} tokens"):
+        build_needle_sample(tiny_tokenizer, needle_tokens, seed=1)

@@ -147,6 +147,11 @@ def build_needle_sample(
     Returns
     -------
     NeedleSample
+
+    Raises
+    ------
+    CriticalKVError
+        ``context_tokens`` not above the needle's own length, or ``depth`` outside [0, 1].
     """
     if context_tokens <= 0:
         raise CriticalKVError(f"context_tokens must be positive, got {context_tokens}.")
@@ -160,7 +165,13 @@ def build_needle_sample(
     def count(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    n_hay = max(context_tokens - count(needle), 1)  # haystack tokens
+    needle_tokens = count(needle)
+    if context_tokens <= needle_tokens:
+        raise CriticalKVError(
+            f"context_tokens {context_tokens} leave no room for a haystack: "
+            f"the needle alone takes {needle_tokens} tokens."
+        )
+    n_hay = context_tokens - needle_tokens  # haystack tokens
     window, ends = _tokenized_haystack(tokenizer, int(1.1 * context_tokens) + 64)
     for _ in range(4):  # each round corrects n_hay by the measured error; converges in 1-2 rounds
         if n_hay >= len(ends):

@@ -60,7 +60,8 @@ def needle_grid(
     Raises
     ------
     CriticalKVError
-        Empty or duplicate lengths or depths, a length <= 0, a depth outside [0, 1].
+        Empty or duplicate lengths or depths, a length <= 0 or not above the needle's own length, a depth
+        outside [0, 1].
     """
     if not lengths or not depths:
         raise CriticalKVError("needle_grid needs at least one length and one depth.")
