@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -13,11 +13,17 @@ from rich.console import Console
 from criticalkv.budget import Budget
 from criticalkv.distributed import launch
 from criticalkv.errors import CriticalKVError
+from criticalkv.eval.needle import encode_prompt
 from criticalkv.eval.report import write_report
 from criticalkv.eval.sweep import REGIMES, load_rows, pair_label, run_sweep
 from criticalkv.methods import build_method
 from criticalkv.models.families import check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP
+
+if TYPE_CHECKING:  # needle_grid pulls matplotlib: imported by the command only
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from criticalkv.eval.needle_grid import NeedleCell
 
 app = typer.Typer(help="Benchmarks: RULER and needle-in-a-haystack, generated offline.", no_args_is_help=True)
 console = Console()
@@ -134,6 +140,16 @@ class _NeedleItem:
     answer: str
 
 
+def _check_prompts(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, cells: list[NeedleCell]) -> None:
+    """Every cell's whole prompt (its context, then the question and answer prefix) fits the model, as ``run``
+    checks its prompt: ``--lengths`` counts the context alone."""
+    for cell in cells:
+        prefix_ids, suffix_ids = encode_prompt(
+            tokenizer, cell.sample.context, cell.sample.question, cell.sample.answer_prefix
+        )
+        check_length(config, len(prefix_ids) + len(suffix_ids), f"--lengths {cell.length}: prompt length")
+
+
 @app.command()
 def needle(
     model: Annotated[str, typer.Option(help="Preset name, local folder or hub id.")] = DEFAULT_PRESET,
@@ -159,6 +175,7 @@ def needle(
         loaded, tokenizer = launch.load_model(model, device=device)
         check_length(loaded.config, max(grid["lengths"], default=0), "--lengths")
         cells = needle_grid(tokenizer, grid["lengths"], grid["depths"], seed)
+        _check_prompts(loaded.config, tokenizer, cells)
         items = [
             _NeedleItem(
                 f"needle-{c.length}", i, c.sample.context, c.sample.question, c.sample.answer_prefix, c.sample.answer
