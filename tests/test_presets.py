@@ -278,6 +278,15 @@ def test_multimodal_gemma3_refused_with_hint() -> None:
     assert head_dim(config) == 32  # read from the text config
 
 
+def test_sliding_window_longer_than_the_positions_is_full_attention() -> None:
+    """Phi-3's 128k checkpoints declare a 262144-token window over 131072 positions: it never binds."""
+    long = Phi3Config(**dict(TINY, max_position_embeddings=256), sliding_window=512)
+    assert families.layer_types(long)[0] == ["full_attention"] * TINY["num_hidden_layers"]
+    short = Phi3Config(**dict(TINY, max_position_embeddings=256), sliding_window=128)  # Phi-3's 4k: 2047 over 4096
+    kinds, kwargs = families.layer_types(short)
+    assert kinds == ["sliding_attention"] * TINY["num_hidden_layers"] and kwargs[0] == {"sliding_window": 128}
+
+
 def test_qwen2_head_dim_without_field() -> None:
     config = Qwen2Config(hidden_size=896, num_attention_heads=14)  # Qwen2.5-0.5B shapes
     assert getattr(config, "head_dim", None) is None

@@ -66,6 +66,8 @@ FAMILIES = {
         **_COMMON, head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"]
     ),
     "phi3": lambda: Phi3Config(**_COMMON),
+    # Phi-3's 128k checkpoints declare a sliding window (262144) longer than their positions (131072): full attention
+    "phi3_long_window": lambda: Phi3Config(**_COMMON, sliding_window=512),
 }
 
 
@@ -273,6 +275,7 @@ def test_streaming_equals_masked_dense_reference(family, capture_decisions):
         ("qwen3", "sdpa", "critical-snapkv"),
         ("gemma3", "sdpa", "critical-snapkv"),
         ("phi3", "sdpa", "critical-snapkv"),
+        ("phi3_long_window", "sdpa", "critical-snapkv"),
         ("llama", "sdpa", "snapkv"),
         ("qwen2", "sdpa", "critical-tova"),
         ("llama", "sdpa", "knorm"),
@@ -358,6 +361,7 @@ def _left_padded(rows: list[torch.Tensor]):
         ("llama", "eager", "critical-snapkv", 0.4),
         ("qwen3", "sdpa", "snapkv", 0.4),
         ("phi3", "sdpa", "streaming", 0.4),
+        ("phi3_long_window", "eager", "critical-snapkv", 0.4),
         ("gemma3", "sdpa", "critical-snapkv", 0.4),
         ("llama", "sdpa", "critical-snapkv", 30),  # a token budget: the 23-token row is kept whole
     ],

@@ -8,10 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.cache_utils import get_layer_types_and_kwargs
 
 from criticalkv.errors import CriticalKVError
-from criticalkv.models.families import text_config
+from criticalkv.models.families import layer_types
 from criticalkv.scorers.base import LayerView
 
 
@@ -21,8 +20,8 @@ def full_attention_layers(config: PretrainedConfig) -> list[int]:
     Sliding-window layers are never compressed, so depth-dependent allocators spread the budget over the
     full-attention layers only; for most models that is every layer.
     """
-    layer_types, _ = get_layer_types_and_kwargs(text_config(config))
-    return [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+    kinds, _ = layer_types(config)
+    return [i for i, kind in enumerate(kinds) if kind == "full_attention"]
 
 
 def compressed_layer_position(module: nn.Module) -> tuple[int, int]:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from transformers import PretrainedConfig
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DummyLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DummyLayer
 
 from criticalkv.cache.compressed_layer import CompressedLayer
 from criticalkv.distributed.layout import stage_layers
 from criticalkv.errors import CacheStateError
+from criticalkv.models.families import layer_types
 
 if TYPE_CHECKING:
     from criticalkv.runtime.compressor import Compressor
@@ -24,11 +25,10 @@ class CompressedCache(Cache):
     """
 
     def __init__(self, config: PretrainedConfig, compressor: Compressor | None = None) -> None:
-        text_config = config.get_text_config(decoder=True)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        kinds, layer_kwargs = layer_types(config)
         owned = None if compressor is None else stage_layers(compressor.model)  # None: every layer
         layers = []
-        for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
+        for index, (kind, kwargs) in enumerate(zip(kinds, layer_kwargs, strict=True)):
             if owned is not None and index not in owned:
                 layers.append(DummyLayer())
             elif kind == "full_attention":

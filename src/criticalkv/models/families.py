@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from transformers import PretrainedConfig
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
 
@@ -92,6 +93,31 @@ def head_dim(config: PretrainedConfig) -> int:
     if value is not None:
         return int(value)
     return int(cfg.hidden_size // cfg.num_attention_heads)
+
+
+def layer_types(config: PretrainedConfig) -> tuple[list[str], list[dict]]:
+    """transformers' cache layer type of each decoder layer and the kwargs of its cache layer, with a sliding window
+    at least as long as the model's positions read as full attention: it never binds (Phi-3's 128k checkpoints
+    declare a 262144-token window over 131072 positions).
+
+    Parameters
+    ----------
+    config : PretrainedConfig
+        A decoder config (multimodal wrappers are unwrapped to their text config).
+
+    Returns
+    -------
+    (list of str, list of dict)
+        As ``transformers.cache_utils.get_layer_types_and_kwargs``.
+    """
+    cfg = text_config(config)
+    kinds, kwargs = get_layer_types_and_kwargs(cfg)
+    positions = getattr(cfg, "max_position_embeddings", None)
+    for i, (kind, layer_kwargs) in enumerate(zip(kinds, kwargs, strict=True)):
+        window = layer_kwargs.get("sliding_window")
+        if kind == "sliding_attention" and positions is not None and window is not None and window >= positions:
+            kinds[i], kwargs[i] = "full_attention", {}
+    return kinds, kwargs
 
 
 def check_length(config: PretrainedConfig, length: int, what: str = "length") -> int | None:
