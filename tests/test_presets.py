@@ -278,6 +278,12 @@ def test_multimodal_gemma3_refused_with_hint() -> None:
     assert head_dim(config) == 32  # read from the text config
 
 
+def test_bidirectional_gemma3_refused() -> None:
+    """EmbeddingGemma is a gemma3_text model whose queries read later keys: the scorers' causal window is wrong."""
+    with pytest.raises(UnsupportedModelError, match="bidirectional"):
+        check_supported(Gemma3TextConfig(**TINY, head_dim=32, use_bidirectional_attention=True))
+
+
 def test_sliding_window_longer_than_the_positions_is_full_attention() -> None:
     """Phi-3's 128k checkpoints declare a 262144-token window over 131072 positions: it never binds."""
     long = Phi3Config(**dict(TINY, max_position_embeddings=256), sliding_window=512)

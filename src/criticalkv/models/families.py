@@ -56,9 +56,15 @@ def check_supported(config: PretrainedConfig) -> str:
     Raises
     ------
     UnsupportedModelError
-        Naming the model type and listing the supported families.
+        Naming the model type and listing the supported families; or a supported family's model with
+        bidirectional attention (``use_bidirectional_attention``, EmbeddingGemma).
     """
     model_type = getattr(config, "model_type", None) or "<unknown>"
+    if model_type in SUPPORTED_FAMILIES and getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            f"this '{model_type}' model uses bidirectional attention (an embedding model such as EmbeddingGemma): "
+            "criticalkv compresses the caches of causal decoders only"
+        )
     if model_type in SUPPORTED_FAMILIES:
         return model_type
     supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_FAMILIES.items())
