@@ -197,6 +197,21 @@ def test_stale_folder_without_marker_is_replaced(fake_preset: dict[str, object],
     assert (stale / "criticalkv-preset.json").is_file() and leftovers(cache) == ["fake"]
 
 
+def test_damaged_converted_folder_names_itself_and_the_fix(fake_preset: dict[str, object], cache: Path) -> None:
+    folder = resolve_model_folder("fake")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated after the conversion
+    with pytest.raises(Exception) as caught:
+        load_model("fake")
+    assert any(f"preset folder {folder} looks damaged: delete it" in note for note in caught.value.__notes__)
+
+
+def test_marker_that_is_not_an_object_means_not_converted(fake_preset: dict[str, object], cache: Path) -> None:
+    folder = resolve_model_folder("fake")
+    (folder / "criticalkv-preset.json").write_text("[]")
+    assert resolve_model_folder("fake") == folder and fake_preset["calls"] == 2  # converted again, no crash
+
+
 # ---------------------------------------------------------------- local folders and hub ids
 
 

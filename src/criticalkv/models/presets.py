@@ -21,6 +21,7 @@ from pathlib import Path
 
 import platformdirs
 import torch
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -217,7 +218,9 @@ def _is_converted(folder: Path, preset: Preset) -> bool:
         marker = json.loads((folder / _MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return marker.get("gguf_sha256") == preset.sha256 and (folder / "config.json").is_file()
+    return (
+        isinstance(marker, dict) and marker.get("gguf_sha256") == preset.sha256 and (folder / "config.json").is_file()
+    )
 
 
 def _convert(preset: Preset, final: Path) -> None:
@@ -419,6 +422,14 @@ def load_model(
             source, dtype=torch_dtype, attn_implementation=attn_implementation, distributed_config=distributed_config
         )
         return model.eval(), AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation=attn_implementation)
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation=attn_implementation)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, SafetensorError) as err:
+        if is_preset:  # a converted folder damaged after its conversion (a truncated copy, a full disk)
+            err.add_note(
+                f"criticalkv: the converted preset folder {source} looks damaged: delete it and it is "
+                "converted again from the installed packages on next use."
+            )
+        raise
     return model.to(target).eval(), tokenizer
