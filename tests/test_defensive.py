@@ -132,16 +132,21 @@ def test_defensive_scores_match_slow_reference(window, kernel):
         assert (scores[row][:, real[-window:]] >= got.max(-1, keepdim=True).values).all()  # window: row maximum
 
 
-def test_padding_does_not_change_a_row():
-    padded = _view([40, 29], seed=2)
-    alone = LayerView(
+def _last_row_alone(padded: LayerView, pad: int) -> LayerView:
+    """The last row of a left-padded view as a batch of one, its ``pad`` padding positions cut off."""
+    return LayerView(
         padded.module,
-        padded.query[1:, :, 11:],
-        padded.keys[1:, :, 11:],
-        padded.values[1:, :, 11:],
-        padded.valid[1:, 11:],
+        padded.query[-1:, :, pad:],
+        padded.keys[-1:, :, pad:],
+        padded.values[-1:, :, pad:],
+        padded.valid[-1:, pad:],
         padded.scaling,
     )
+
+
+def test_padding_does_not_change_a_row():
+    padded = _view([40, 29], seed=2)
+    alone = _last_row_alone(padded, 11)
     torch.testing.assert_close(
         DefensiveScorer(window=8).score(padded)[1, :, 11:], DefensiveScorer(window=8).score(alone)[0]
     )
@@ -261,14 +266,7 @@ def test_defensive_keeps_every_stage1_entry_and_a_row_as_alone():
     alone."""
     window, budget = 8, Budget(0.2)
     padded = _view([60, 47], t=60, seed=24)
-    alone = LayerView(
-        padded.module,
-        padded.query[1:, :, 13:],
-        padded.keys[1:, :, 13:],
-        padded.values[1:, :, 13:],
-        padded.valid[1:, 13:],
-        padded.scaling,
-    )
+    alone = _last_row_alone(padded, 13)
     method = build_method("defensive", window=window)
     decision = method.decide(padded, budget)
     protected = last_positions(padded, window)
