@@ -8,7 +8,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DummyLayer
 
 from criticalkv.cache.compressed_layer import CompressedLayer
-from criticalkv.distributed.layout import stage_layers
+from criticalkv.distributed.layout import on_this_stage, stage_layers
 from criticalkv.errors import CacheStateError
 from criticalkv.models.families import layer_types
 
@@ -27,15 +27,11 @@ class CompressedCache(Cache):
     def __init__(self, config: PretrainedConfig, compressor: Compressor | None = None) -> None:
         kinds, layer_kwargs = layer_types(config)
         owned = None if compressor is None else stage_layers(compressor.model)  # None: every layer
-        layers = []
-        for index, (kind, kwargs) in enumerate(zip(kinds, layer_kwargs, strict=True)):
-            if owned is not None and index not in owned:
-                layers.append(DummyLayer())
-            elif kind == "full_attention":
-                layers.append(CompressedLayer())
-            else:
-                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
-        super().__init__(layers=layers)
+        layers = [
+            CompressedLayer() if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
+            for kind, kwargs in zip(kinds, layer_kwargs, strict=True)
+        ]
+        super().__init__(layers=on_this_stage(layers, owned))
         self.compressor = compressor
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

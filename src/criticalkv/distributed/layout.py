@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 from transformers import PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import CacheLayerMixin, DummyLayer
 
 from criticalkv.distributed.heads import is_dtensor
 from criticalkv.errors import UnsupportedModelError
@@ -99,6 +100,13 @@ def stage_layers(model: PreTrainedModel) -> set[int] | None:
     layers = int(text_config(model.config).num_hidden_layers)
     start, end = stage.layer_range_for_rank(stage.pp_rank, layers)
     return set(range(start, end))
+
+
+def on_this_stage(layers: list[CacheLayerMixin], owned: set[int] | None) -> list[CacheLayerMixin]:
+    """A cache's ``layers`` (one per decoder layer) with those another pipeline stage runs replaced by transformers'
+    ``DummyLayer``: they hold nothing, and transformers sizes masks (and reads the cache length) from the first
+    layer that is not one, which must be a layer this stage fills. ``owned``: ``stage_layers``' set (None: all)."""
+    return layers if owned is None else [layer if i in owned else DummyLayer() for i, layer in enumerate(layers)]
 
 
 @dataclass(frozen=True)

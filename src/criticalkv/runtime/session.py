@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import Cache, DummyLayer
+from transformers.cache_utils import Cache
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
-from criticalkv.distributed.layout import stage_layers
+from criticalkv.distributed.layout import on_this_stage, stage_layers
 from criticalkv.runtime.api import make_compressor
 from criticalkv.runtime.compressor import Compressor
 from criticalkv.runtime.method import Method
@@ -36,11 +36,7 @@ def full_cache(model: PreTrainedModel) -> DynamicCache:
     and that layer must be one this stage fills (an empty layer would size a question's mask to the question alone,
     and ``get_seq_length`` would read 0, so a rewind would drop nothing)."""
     cache = DynamicCache(config=model.config)
-    owned = stage_layers(model)
-    if owned is not None:
-        for index in range(len(cache.layers)):
-            if index not in owned:
-                cache.layers[index] = DummyLayer()
+    cache.layers[:] = on_this_stage(cache.layers, stage_layers(model))
     return cache
 
 
