@@ -124,6 +124,17 @@ def test_inputs_without_template_reconstruct_everything_and_keep_the_sinks(tiny_
     assert inputs.protected[0].tolist() == [True] * 4 + [False] * 8
 
 
+def test_inputs_of_a_row_with_part_of_the_template_start_reconstruct_the_whole_row(templated_tokenizer):
+    prompt = RepeatPrompt.from_tokenizer(templated_tokenizer)
+    row = list(prompt.template_start[:-1]) + _random_rows([12], seed=4)[0]  # the start less its last token
+    assert row[len(prompt.template_start) - 1] != prompt.template_start[-1]
+    ids, mask = _batch([row])
+    inputs = reconstruction_inputs(ids, mask, prompt, chunk_size=64, sinks=1)
+    ((chunk_ids, _),) = inputs.chunks
+    assert chunk_ids[0].tolist() == list(prompt.first_request) + list(prompt.turn_end) + row
+    assert inputs.protected[0].tolist() == [True] + [False] * (len(row) - 1)
+
+
 # --- scores ----------------------------------------------------------------------------------------------------
 def _captured_scores(monkeypatch, model, method, ids, mask) -> list[torch.Tensor]:
     captured = []

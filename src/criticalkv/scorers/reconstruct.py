@@ -86,17 +86,18 @@ def reconstruction_inputs(
     """Split each row's context into chunks and frame each chunk as a request to repeat it.
 
     input_ids, attention_mask (b, t), left padding. A row's context is its real tokens after the template
-    start (when the row begins with it). Chunk ``i`` of a row is its context tokens ``[i C, (i+1) C)``; rows with
-    fewer chunks get an all-padding input at the chunk indices they lack. Inputs are right-padded, so the
-    reconstruction tokens of every row start right after its prefill and keep the positions a batch of one
-    would give them.
+    start when the row begins with the whole start, else all its real tokens. Chunk ``i`` of a row is its
+    context tokens ``[i C, (i+1) C)``; rows with fewer chunks get an all-padding input at the chunk indices they
+    lack. Inputs are right-padded, so the reconstruction tokens of every row start right after its prefill and
+    keep the positions a batch of one would give them.
     """
     b, t = input_ids.shape
     rows: list[list[list[int]]] = []  # rows[r][i]: the reconstruction input of chunk i of row r
     protected = torch.zeros(b, t, dtype=torch.bool, device=input_ids.device)
     for r in range(b):
         real = input_ids[r][attention_mask[r].bool()].tolist()
-        start = _common_prefix(real, prompt.template_start)
+        head = prompt.template_start
+        start = len(head) if tuple(real[: len(head)]) == head else 0  # a partial match is no template start
         protected[r, t - len(real) : t - len(real) + max(start, min(sinks, len(real)))] = True
         context = real[start:]
         pieces = [context[i : i + chunk_size] for i in range(0, len(context), chunk_size)]
@@ -119,13 +120,6 @@ def _request(prompt: RepeatPrompt, pieces: list[list[int]], i: int) -> list[int]
     if i == 0:
         return list(prompt.first_request)
     return list(prompt.next_request) + pieces[i - 1][-QUOTED_TOKENS:]
-
-
-def _common_prefix(a: list[int], b: tuple[int, ...]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 @dataclass
