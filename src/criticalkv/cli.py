@@ -22,7 +22,7 @@ from criticalkv.distributed import launch
 from criticalkv.distributed.layout import ParallelLayout
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.commands import app as eval_app
-from criticalkv.eval.commands import parse_numbers
+from criticalkv.eval.commands import at_least, parse_numbers
 from criticalkv.methods import PRESETS, build_method, parse_option_value
 from criticalkv.models.families import check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, list_presets
@@ -135,7 +135,7 @@ def run(
     context_tokens: Annotated[int, typer.Option(help="Length of the generated needle prompt.")] = 4096,
     depth: Annotated[float, typer.Option(help="Needle depth in [0, 1].")] = 0.5,
     seed: Annotated[int, typer.Option(help="Seed of the needle prompt.")] = 0,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per answer.")] = 24,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per answer.")] = 24,
     dtype: Annotated[str, typer.Option(help="auto, bfloat16 or float32.")] = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
     option: Annotated[list[str] | None, typer.Option(help="Method option key=value, e.g. window=64.")] = None,
@@ -182,6 +182,7 @@ def _run(
 ) -> None:
     if mode not in ("aware", "agnostic"):
         raise CriticalKVError(f"--mode must be 'aware' or 'agnostic', got {mode!r}")
+    at_least(max_new_tokens, 1, "--max-new-tokens")
     methods_ = ["full"] + [m.strip() for m in method.split(",") if m.strip() and m.strip() != "full"]
     options = _parse_options(option)
     parsed_budget = Budget.parse(budget)

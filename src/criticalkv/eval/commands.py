@@ -41,6 +41,12 @@ def parse_numbers(text: str, cast: type, option: str) -> list:
         raise CriticalKVError(f"{option} takes comma-separated {cast.__name__}s, got {text!r}") from None
 
 
+def at_least(value: int, minimum: int, option: str) -> None:
+    """Refuse a count below ``minimum`` as every other bad input is refused (typer's ``min=`` prints a usage box)."""
+    if value < minimum:
+        raise CriticalKVError(f"{option} must be >= {minimum}, got {value}")
+
+
 def _methods(text: str) -> list[str]:
     """The comma-separated method specs, each built once so a bad name or option fails before the model loads."""
     names = _split(text)
@@ -70,9 +76,9 @@ def ruler(
     budgets: Annotated[str, typer.Option(help="Comma-separated budgets.")] = "0.2",
     tasks: Annotated[str, typer.Option(help="Comma-separated RULER tasks (default: all 13).")] = "",
     length: Annotated[int, typer.Option(help="Prompt length in the model's tokens.")] = 4096,
-    samples: Annotated[int, typer.Option(min=1, help="Samples per task.")] = 20,
+    samples: Annotated[int, typer.Option(help="Samples per task.")] = 20,
     question_aware: Annotated[bool, typer.Option(help="Compress the question with the context.")] = False,
-    max_new_tokens: Annotated[int, typer.Option(min=0, help="Cap on generated tokens (0: RULER's per task).")] = 0,
+    max_new_tokens: Annotated[int, typer.Option(help="Cap on generated tokens (0: RULER's per task).")] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the generated samples.")] = 0,
     out: Annotated[Path | None, typer.Option(help="Results folder (resumes if it has results).")] = None,
     batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = False,
@@ -82,6 +88,8 @@ def ruler(
     from criticalkv.eval import ruler as ruler_data
 
     try:
+        at_least(samples, 1, "--samples")
+        at_least(max_new_tokens, 0, "--max-new-tokens")
         chosen = _split(tasks) or list(ruler_data.TASKS)
         unknown = [t for t in chosen if t not in ruler_data.TASKS]
         if unknown:
