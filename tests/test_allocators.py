@@ -300,6 +300,15 @@ def test_headkv_errors():
     assert issubclass(HeadProfileError, CriticalKVError)
 
 
+def test_profile_refuses_a_model_of_other_query_heads_or_head_dim():
+    """Same layers x KV heads (the importance matrix fits) is not enough: GQA groups and head size are matched."""
+    config = _config(layers=2, heads=4, kv_heads=2, head_dim=16)
+    profile = _profile(config)
+    assert profile.mismatches(_config(layers=2, heads=8, kv_heads=2, head_dim=16)) == ["num_heads: 4 vs 8"]
+    with pytest.raises(HeadProfileError, match=r"another model.*head size 16.*head_dim: 16 vs 32"):
+        profile.check(_config(layers=2, heads=4, kv_heads=2, head_dim=32))
+
+
 def test_profile_json_round_trip(tmp_path):
     config = _config(layers=3, heads=6, kv_heads=3, hidden=96)
     profile = _profile(config)

@@ -26,7 +26,7 @@ from criticalkv.progress import step_progress
 
 FORMAT = "criticalkv-head-profile/1"
 #: Shape fields a profile must share with a model's config to be used on it.
-SHAPE_FIELDS = ("model_type", "num_layers", "num_heads", "num_kv_heads", "hidden_size")
+SHAPE_FIELDS = ("model_type", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size")
 USER_PROFILE_DIR = "head_profiles"  # under criticalkv's cache root: where calibrate-heads saves by default
 
 
@@ -58,7 +58,7 @@ def config_shape(config: PretrainedConfig) -> dict[str, Any]:
 def _describe(shape: dict[str, Any]) -> str:
     return (
         f"{shape['model_type']} with {shape['num_layers']} layers, {shape['num_heads']} query / "
-        f"{shape['num_kv_heads']} KV heads, hidden size {shape['hidden_size']}"
+        f"{shape['num_kv_heads']} KV heads, head size {shape['head_dim']}, hidden size {shape['hidden_size']}"
     )
 
 
@@ -176,7 +176,7 @@ class HeadProfile:
                 name=data.get("name", ""),
                 measurement=data.get("measurement", {}),
                 query_scores=data.get("query_scores"),
-                **{k: data["model"][k] for k in (*SHAPE_FIELDS, "head_dim")},
+                **{k: data["model"][k] for k in SHAPE_FIELDS},
             )
         except (KeyError, TypeError, ValueError) as exc:  # ValueError: rows of unequal length
             raise HeadProfileError(f"malformed head profile: missing or bad field {exc}") from None
