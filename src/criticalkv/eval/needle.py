@@ -230,12 +230,23 @@ def chat_prompt_parts(
     """
     if not getattr(tokenizer, "chat_template", None):
         return context, f"\n\n{question}\n\n{answer_prefix}".rstrip("\n")
-    message = {"role": "user", "content": f"{context}{_SPLIT_MARKER}\n\n{question}"}
+    prefix, suffix = chat_split(tokenizer, context, f"\n\n{question}")
+    return prefix, suffix + answer_prefix
+
+
+def chat_split(tokenizer: PreTrainedTokenizerBase, head: str, tail: str) -> tuple[str, str]:
+    """The chat-templated prompt of the user message ``head + tail`` (with the generation prompt), split where
+    ``head`` ends: (template start + ``head``, ``tail`` + end of the user turn + assistant start).
+
+    The template is rendered once with a marker between the two, so the parts join into exactly the templated
+    prompt. Raises ``CriticalKVError`` when the template alters the marker.
+    """
+    message = {"role": "user", "content": f"{head}{_SPLIT_MARKER}{tail}"}
     full = tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
     if not isinstance(full, str) or full.count(_SPLIT_MARKER) != 1:
         raise CriticalKVError("The chat template altered the split marker; cannot split the prompt.")
     prefix, suffix = full.split(_SPLIT_MARKER)
-    return prefix, suffix + answer_prefix
+    return prefix, suffix
 
 
 def encode_prompt_parts(tokenizer: PreTrainedTokenizerBase, prefix: str, suffix: str) -> tuple[list[int], list[int]]:

@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Protocol, TextIO
 
@@ -32,13 +33,21 @@ SETTINGS_FILE = "sweep.json"  # a sweep folder's settings (``run_sweep``'s ``set
 
 
 class Sample(Protocol):
-    """What the runner needs of a sample (RULER and needle samples have it)."""
+    """What the runner needs of a sample: its key in results.jsonl."""
 
     task: str
     index: int
+
+
+class ChatSample(Sample, Protocol):
+    """A sample the default encoder turns into a chat prompt (``encode_prompt``): RULER's and needle's."""
+
     context: str
     question: str
     answer_prefix: str
+
+
+Encoder = Callable[[Sample], tuple[list[int], list[int]]]  # sample -> (context ids, question ids)
 
 
 @dataclass
@@ -74,6 +83,7 @@ def run_sweep(
     total: int | None = None,
     batch_answers: bool = False,
     settings: dict | None = None,
+    encode: Encoder | None = None,
 ) -> list[Row]:
     """Answer every sample with the full cache and every (method, budget) pair; append rows to results.jsonl.
 
@@ -88,6 +98,9 @@ def run_sweep(
     the full cache still answers alone, on the model's own dense attention): the rows read the same entries as
     separate runs, but the batched products round differently, so in bfloat16 a long answer can drift to other
     tokens (docs/results.md: 53 of 60 answers identical, 2.7x less CPU time).
+
+    ``encode`` gives a sample's prompt as (context ids, question ids): the question-agnostic regime prefills the
+    first alone, the question-aware one both. By default it is ``encode_prompt`` on a ``ChatSample``'s fields.
     """
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
@@ -111,6 +124,7 @@ def run_sweep(
     done = layout.from_main(_answered(path, regime) if layout.is_main else None)
     unrecorded = settings if layout.is_main and stored_settings(out_dir) is None else None  # until the first row
     rows: list[Row] = []
+    encode = encode or partial(_chat_ids, tokenizer)
     if layout.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
     description = f"{regime} sweep, {len(pairs)} pairs"
@@ -121,8 +135,9 @@ def run_sweep(
             if not todo:
                 advance(f"{sample.task} #{sample.index} (on disk)", skipped=True)
                 continue
+            ids = encode(sample)
             sample_rows = _answer(
-                model, tokenizer, sample, score, todo, regime, max_new_tokens(sample), layout, batch_answers
+                model, tokenizer, sample, ids, score, todo, regime, max_new_tokens(sample), layout, batch_answers
             )
             if unrecorded is not None:  # with the first row: a run that fails before leaves no settings
                 _record_settings(out_dir, unrecorded)
@@ -135,11 +150,16 @@ def run_sweep(
     return rows
 
 
+def _chat_ids(tokenizer, sample: ChatSample) -> tuple[list[int], list[int]]:
+    return encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+
+
 @torch.no_grad()
 def _answer(
     model,
     tokenizer,
     sample: Sample,
+    ids: tuple[list[int], list[int]],
     score,
     pairs,
     regime: str,
@@ -147,8 +167,9 @@ def _answer(
     layout: ParallelLayout,
     batch_answers: bool,
 ) -> list[Row]:
-    """The rows of ``pairs`` for one sample; the full cache is prefilled in any case (the kept fractions' base)."""
-    prefix_ids, suffix_ids = encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+    """The rows of ``pairs`` for one sample of prompt ``ids`` (context ids, question ids); the full cache is
+    prefilled in any case (the kept fractions' base)."""
+    prefix_ids, suffix_ids = ids
     prompt = prefix_ids + suffix_ids if regime == "aware" else prefix_ids
     device = next(model.parameters()).device
     targets = pairs if any(label == "full" for label, _, _ in pairs) else [FULL_PAIR, *pairs]
