@@ -1,4 +1,5 @@
-"""``criticalkv eval ruler`` and ``criticalkv eval needle``: sweeps over methods and budgets, one prefill per sample."""
+"""``criticalkv eval ruler``, ``eval needle`` and ``eval longbench``: sweeps over methods and budgets, one prefill per
+sample."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ if TYPE_CHECKING:  # needle_grid pulls matplotlib: imported by the command only
 
     from criticalkv.eval.needle_grid import NeedleCell
 
-app = typer.Typer(help="Benchmarks: RULER and needle-in-a-haystack, generated offline.", no_args_is_help=True)
+app = typer.Typer(
+    help="Benchmarks: RULER and needle-in-a-haystack, generated offline; LongBench from local files.",
+    no_args_is_help=True,
+)
 console = Console()
 
 
@@ -221,6 +225,75 @@ def needle(
     (folder / "heatmaps.json").write_text(
         json.dumps({label: {f"{k[0]}@{k[1]}": v for k, v in s.items()} for label, s in grids.items()}, indent=2)
     )
+
+
+@app.command()
+def longbench(
+    data: Annotated[Path, typer.Argument(help="A LongBench JSONL file, or a folder of <dataset>.jsonl files.")],
+    model: Annotated[str, typer.Option(help="Preset name, local folder or hub id.")] = DEFAULT_PRESET,
+    methods: Annotated[str, typer.Option(help="Comma-separated presets (the full cache always runs).")] = (
+        "snapkv,critical-snapkv"
+    ),
+    budgets: Annotated[str, typer.Option(help="Comma-separated budgets.")] = "0.2",
+    datasets: Annotated[str, typer.Option(help="Comma-separated datasets (default: every one in DATA).")] = "",
+    samples: Annotated[int, typer.Option(min=0, help="Samples per dataset, the first ones (0: all).")] = 0,
+    max_length: Annotated[
+        int, typer.Option(min=1, help="Prompts longer than this many tokens lose their middle (THUDM's truncation).")
+    ] = 3500,
+    question_aware: Annotated[bool, typer.Option(help="Compress the question with the context.")] = False,
+    max_new_tokens: Annotated[int, typer.Option(min=0, help="Cap on generated tokens (0: THUDM's per dataset).")] = 0,
+    out: Annotated[Path | None, typer.Option(help="Results folder (resumes if it has results).")] = None,
+    batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = False,
+    dtype: Annotated[str, typer.Option(help="auto, bfloat16 or float32.")] = "auto",
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
+) -> None:
+    """LongBench v1 (English and code) from local files: THUDM's prompts, truncation and metrics, every method and
+    budget against the full cache."""
+    from criticalkv.eval import longbench as longbench_data
+    from criticalkv.eval import longbench_run
+
+    try:
+        groups = longbench_run.read_datasets(data, _split(datasets))
+        parsed = [Budget.parse(b) for b in _split(budgets)]
+        names = _methods(methods)
+        regime = "aware" if question_aware else "agnostic"
+        folder = out or Path("results") / f"longbench-{Path(model).name}-{max_length}-{regime}"
+        loaded, tokenizer = launch.load_model(model, dtype=dtype, device=device)
+        with console.status(f"truncating and encoding the prompts of {len(groups)} dataset(s)"):
+            items = longbench_run.longbench_items(tokenizer, groups, samples, max_length)
+        for item in items:  # every prompt fits the model, checked before the first answer
+            check_length(loaded.config, len(item.prefix_ids) + len(item.suffix_ids), f"{item.task} prompt length")
+
+        def budget_of(item: longbench_run.LongBenchItem) -> int:
+            default = longbench_data.max_new_tokens(item.sample.dataset)
+            return min(default, max_new_tokens) if max_new_tokens else default
+
+        run_sweep(
+            loaded,
+            tokenizer,
+            items,
+            longbench_run.score_item,
+            names,
+            parsed,
+            regime,
+            folder,
+            budget_of,
+            total=len(items),
+            batch_answers=batch_answers,
+            settings={
+                "benchmark": "longbench",
+                "model": model,
+                "data": str(data.resolve()),
+                "max_length": max_length,
+                "max_new_tokens": max_new_tokens,
+                "dtype": dtype,
+            },
+            encode=lambda item: (item.prefix_ids, item.suffix_ids),
+        )
+    except CriticalKVError as error:
+        _fail(error)
+    if launch.is_main_process():
+        console.print(f"wrote {write_report(folder)}")
 
 
 __all__ = ["REGIMES", "app"]

@@ -38,7 +38,9 @@ __all__ = [
     "FIRST_LINE_DATASETS",
     "LongBenchSample",
     "build_prompt",
+    "dataset_key",
     "load_longbench",
+    "max_new_tokens",
     "prompt_parts",
     "score_prediction",
     "score_predictions",
@@ -171,8 +173,10 @@ class LongBenchSample:
     id: str
 
 
-def _dataset_key(dataset: str) -> str:
-    """The THUDM config key of a dataset name (LongBench-E's ``<name>_e`` maps to ``<name>``)."""
+def dataset_key(dataset: str) -> str:
+    """The THUDM config key of a dataset name (LongBench-E's ``<name>_e`` maps to ``<name>``).
+
+    Raises ``CriticalKVError`` for a name outside ``DATASETS`` (and their ``_e`` versions)."""
     key = dataset.removesuffix("_e") if dataset.removesuffix("_e") in DATASET2PROMPT else dataset
     if key not in DATASET2PROMPT:
         raise CriticalKVError(
@@ -227,7 +231,7 @@ def load_longbench(path: str | Path) -> list[LongBenchSample]:
                     raise CriticalKVError(f"{where}: field {field!r} must be a list of strings.")
             if not record["answers"]:
                 raise CriticalKVError(f"{where}: field 'answers' is empty.")
-            if _dataset_key(record["dataset"]) == "trec" and not record["all_classes"]:
+            if dataset_key(record["dataset"]) == "trec" and not record["all_classes"]:
                 raise CriticalKVError(f"{where}: trec needs 'all_classes' (the class names).")
             samples.append(
                 LongBenchSample(
@@ -246,7 +250,7 @@ def load_longbench(path: str | Path) -> list[LongBenchSample]:
 
 def build_prompt(sample: LongBenchSample) -> str:
     """The dataset's THUDM prompt with the sample's ``context`` and ``input`` filled in."""
-    return DATASET2PROMPT[_dataset_key(sample.dataset)].format(context=sample.context, input=sample.input)
+    return DATASET2PROMPT[dataset_key(sample.dataset)].format(context=sample.context, input=sample.input)
 
 
 def prompt_parts(sample: LongBenchSample) -> tuple[str, str]:
@@ -255,19 +259,19 @@ def prompt_parts(sample: LongBenchSample) -> tuple[str, str]:
     For question-agnostic compression the first part is prefilled and compressed before the second is
     seen. ``head + tail == build_prompt(sample)``; for lcc the tail is just "Next line of code:\\n".
     """
-    template = DATASET2PROMPT[_dataset_key(sample.dataset)]
+    template = DATASET2PROMPT[dataset_key(sample.dataset)]
     head, tail = template.split("{context}")
     return head.format(input=sample.input) + sample.context, tail.format(input=sample.input)
 
 
 def uses_chat_template(dataset: str) -> bool:
     """False for the few-shot and code sets, on which THUDM's ``pred.py`` feeds the raw prompt."""
-    return _dataset_key(dataset) not in _NO_CHAT_DATASETS
+    return dataset_key(dataset) not in _NO_CHAT_DATASETS
 
 
 def max_new_tokens(dataset: str) -> int:
     """THUDM's generation length for ``dataset``."""
-    return DATASET2MAXLEN[_dataset_key(dataset)]
+    return DATASET2MAXLEN[dataset_key(dataset)]
 
 
 def truncate_middle(tokenizer, prompt: str, max_length: int) -> str:
@@ -288,7 +292,7 @@ def score_prediction(
 
     trec, triviaqa and samsum are scored on the first line of the prediction only.
     """
-    key = _dataset_key(dataset)
+    key = dataset_key(dataset)
     if key in FIRST_LINE_DATASETS:
         prediction = prediction.lstrip("\n").split("\n")[0]
     metric = DATASET2METRIC[key]
@@ -319,7 +323,7 @@ def score_samples(samples: Sequence[LongBenchSample], predictions: Sequence[str]
         raise CriticalKVError(f"{len(predictions)} predictions for {len(samples)} samples.")
     groups: dict[str, list[float]] = {}
     for sample, prediction in zip(samples, predictions):
-        key = _dataset_key(sample.dataset)
+        key = dataset_key(sample.dataset)
         groups.setdefault(key, []).append(score_prediction(key, prediction, sample.answers, sample.all_classes))
     scores = {key: 100 * sum(values) / len(values) for key, values in groups.items()}
     if scores:

@@ -83,11 +83,17 @@ def _order(entry: dict) -> tuple:
 
 
 def sweep_title(settings: dict | None, regimes: set[str]) -> str:
-    """A report's title from a sweep folder's settings (``sweep.json``): "RULER-4096, qwen2.5-0.5b, question-aware"."""
+    """A report's title from a sweep folder's settings (``sweep.json``): "RULER-4096, qwen2.5-0.5b, question-aware",
+    "LongBench (max length 3500), ..."."""
     if not settings:
         return "Sweep results"
     name = Path(str(settings.get("model", ""))).name
-    head = f"RULER-{settings.get('length')}" if settings.get("benchmark") == "ruler" else str(settings.get("benchmark"))
+    benchmark = settings.get("benchmark")
+    heads = {
+        "ruler": f"RULER-{settings.get('length')}",
+        "longbench": f"LongBench (max length {settings.get('max_length')})",
+    }
+    head = heads.get(benchmark, str(benchmark))
     parts = [head, name] + ([f"question-{next(iter(regimes))}"] if len(regimes) == 1 else [])
     return ", ".join(p for p in parts if p)
 

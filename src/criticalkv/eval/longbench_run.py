@@ -1,0 +1,144 @@
+"""LongBench samples as the sweep runner answers them: THUDM's truncation and chat rule, split before the question.
+
+``read_datasets`` reads local LongBench JSONL (one file, or a folder of ``<dataset>.jsonl`` files);
+``longbench_items`` truncates and encodes every sample once, up front, so a max length too small for a sample's
+question fails before the first answer. ``criticalkv eval longbench`` runs them through ``run_sweep``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from criticalkv.errors import CriticalKVError
+from criticalkv.eval.longbench import (
+    DATASETS,
+    LongBenchSample,
+    dataset_key,
+    load_longbench,
+    prompt_parts,
+    score_prediction,
+    truncate_middle,
+    uses_chat_template,
+)
+from criticalkv.eval.needle import chat_split
+
+__all__ = ["LongBenchItem", "encode_sample", "longbench_items", "read_datasets", "score_item", "truncated_parts"]
+
+
+@dataclass(frozen=True)
+class LongBenchItem:
+    """One sample with its prompt ids, keyed for results.jsonl by (dataset, position in that dataset)."""
+
+    task: str  # the sample's dataset, as its file names it
+    index: int  # the sample's position among that dataset's samples
+    sample: LongBenchSample
+    prefix_ids: list[int]  # template start and the (truncated) context: what question-agnostic compresses
+    suffix_ids: list[int]  # the question part, the end of the user turn, the assistant's start
+
+
+def read_datasets(path: Path, names: Sequence[str] = ()) -> dict[str, list[LongBenchSample]]:
+    """The samples of each dataset under ``path``, in file order.
+
+    Parameters
+    ----------
+    path : Path
+        A LongBench JSONL file (possibly of several datasets), or a folder of ``<dataset>.jsonl`` files as
+        published (files of datasets outside ``DATASETS``, such as the Chinese ones, are left alone).
+    names : sequence of str
+        Datasets to keep; empty: every dataset of the file, or every supported file of the folder.
+
+    Raises
+    ------
+    CriticalKVError
+        The path is missing; a name is not a LongBench dataset; a named dataset has no file in the folder or no
+        sample in the file; a file holds no sample.
+    """
+    for name in names:
+        dataset_key(name)  # an unknown name fails before any file is read
+    if not path.exists():
+        raise CriticalKVError(f"LongBench data not found: {path}")
+    if path.is_dir():
+        files = [path / f"{name}.jsonl" for name in names] or sorted(
+            f for f in path.glob("*.jsonl") if f.stem.removesuffix("_e") in DATASETS
+        )
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CriticalKVError(f"no {', '.join(missing)} in {path}")
+        if not files:
+            raise CriticalKVError(
+                f"no LongBench file in {path}; expected <dataset>.jsonl for one of {', '.join(DATASETS)}"
+            )
+    else:
+        files = [path]
+    groups: dict[str, list[LongBenchSample]] = {}
+    for file in files:
+        samples = load_longbench(file)
+        if not samples:
+            raise CriticalKVError(f"no samples in {file}")
+        for sample in samples:
+            groups.setdefault(sample.dataset, []).append(sample)
+    if names and not path.is_dir():  # a folder's files were chosen by name
+        absent = [name for name in names if name not in groups]
+        if absent:
+            raise CriticalKVError(f"no samples of {', '.join(absent)} in {path}")
+        groups = {name: groups[name] for name in names}
+    return groups
+
+
+def truncated_parts(tokenizer: PreTrainedTokenizerBase, sample: LongBenchSample, max_length: int) -> tuple[str, str]:
+    """THUDM's prompt after ``truncate_middle`` to ``max_length`` tokens, split before the question part.
+
+    Returns ``prompt_parts(sample)`` when the prompt fits; else (the truncated prompt less the question part, the
+    question part). Raises ``CriticalKVError`` when the question part does not survive the truncation whole: it
+    is longer than the ``max_length // 2`` tokens THUDM keeps at the end, or decoding altered it.
+    """
+    head, tail = prompt_parts(sample)
+    prompt = truncate_middle(tokenizer, head + tail, max_length)
+    if prompt == head + tail:
+        return head, tail
+    where = f"{sample.dataset} sample {sample.id}"
+    tail_tokens = len(tokenizer(tail, add_special_tokens=False)["input_ids"])
+    if tail_tokens > max_length // 2:
+        raise CriticalKVError(
+            f"max length {max_length} is too small for {where}: its question part has {tail_tokens} tokens, a "
+            f"truncated prompt keeps its last {max_length // 2}"
+        )
+    if not prompt.endswith(tail):
+        raise CriticalKVError(f"{where}: its prompt truncated to {max_length} tokens no longer ends with the question")
+    return prompt[: len(prompt) - len(tail)], tail
+
+
+def encode_sample(
+    tokenizer: PreTrainedTokenizerBase, sample: LongBenchSample, max_length: int
+) -> tuple[list[int], list[int]]:
+    """(context ids, question ids) of THUDM's prompt for ``sample``: truncated, then chat-templated where THUDM
+    templates it (``uses_chat_template``, and the tokenizer has a template); their concatenation is the whole
+    prompt, up to the token boundary at the split."""
+    head, tail = truncated_parts(tokenizer, sample, max_length)
+    templated = uses_chat_template(sample.dataset) and bool(getattr(tokenizer, "chat_template", None))
+    if templated:
+        head, tail = chat_split(tokenizer, head, tail)
+    # a raw prompt gets the tokenizer's special tokens (BOS) as in THUDM's pred.py; a template writes its own
+    prefix_ids = tokenizer(head, add_special_tokens=not templated)["input_ids"]
+    return prefix_ids, tokenizer(tail, add_special_tokens=False)["input_ids"]
+
+
+def longbench_items(
+    tokenizer: PreTrainedTokenizerBase, groups: dict[str, list[LongBenchSample]], limit: int, max_length: int
+) -> list[LongBenchItem]:
+    """The first ``limit`` samples of each dataset (all for 0), encoded by ``encode_sample``."""
+    return [
+        LongBenchItem(dataset, index, sample, *encode_sample(tokenizer, sample, max_length))
+        for dataset, samples in groups.items()
+        for index, sample in enumerate(samples[:limit] if limit else samples)
+    ]
+
+
+def score_item(item: LongBenchItem, prediction: str) -> float:
+    """The sample's THUDM score x 100 (``score_prediction``): the mean per dataset is ``score_samples``'."""
+    sample = item.sample
+    return 100 * score_prediction(sample.dataset, prediction, sample.answers, sample.all_classes)
