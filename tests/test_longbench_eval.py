@@ -1,0 +1,238 @@
+"""`criticalkv eval longbench`: local JSONL read, prompts truncated and split as THUDM builds them, rows written and
+resumed by the sweep runner, scores equal to ``score_samples``, clean errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from typer.testing import CliRunner
+
+from criticalkv.cli import app
+from criticalkv.errors import CriticalKVError
+from criticalkv.eval import longbench_run
+from criticalkv.eval.longbench import LongBenchSample, build_prompt, prompt_parts, score_samples, truncate_middle
+from criticalkv.eval.sweep import load_rows
+
+SENTENCE = "The quick brown fox jumps over the lazy dog. "
+
+
+def _record(dataset: str, index: int, repeats: int = 6) -> dict:
+    return {
+        "input": f"What is the special magic number {index}?",
+        "context": SENTENCE * repeats,
+        "answers": ["the lazy dog", "fox"],
+        "length": 9 * repeats,
+        "dataset": dataset,
+        "language": "en",
+        "all_classes": None,
+        "_id": f"{dataset}-{index}",
+    }
+
+
+def _write(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    """A folder of two datasets (three samples each) and a Chinese file the runner leaves alone."""
+    folder = tmp_path / "longbench"
+    folder.mkdir()
+    for dataset in ("hotpotqa", "lcc"):
+        _write(folder / f"{dataset}.jsonl", [_record(dataset, i) for i in range(3)])
+    (folder / "dureader.jsonl").write_text("not read\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A random 2-layer float32 Llama over the tiny tokenizer, saved as a folder the CLI loads."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tiny_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _invoke(args: list[str]) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["eval", "longbench", *args])
+    return result.exit_code, " ".join(result.output.split())
+
+
+def test_read_datasets_from_a_folder_or_a_file(data: Path, tmp_path: Path) -> None:
+    groups = longbench_run.read_datasets(data)
+    assert {name: [s.id for s in samples] for name, samples in groups.items()} == {
+        "hotpotqa": ["hotpotqa-0", "hotpotqa-1", "hotpotqa-2"],
+        "lcc": ["lcc-0", "lcc-1", "lcc-2"],
+    }
+    assert list(longbench_run.read_datasets(data, ["lcc"])) == ["lcc"]
+    mixed = _write(tmp_path / "mixed.jsonl", [_record("trec", 0) | {"all_classes": ["A"]}, _record("qasper", 0)])
+    assert list(longbench_run.read_datasets(mixed)) == ["trec", "qasper"]
+    assert list(longbench_run.read_datasets(mixed, ["qasper"])) == ["qasper"]
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [
+        (["hotpotqa", "nope"], "Unknown LongBench dataset 'nope'"),
+        (["qasper"], "no qasper.jsonl in"),
+    ],
+)
+def test_read_datasets_refuses_bad_names(data: Path, names: list[str], message: str) -> None:
+    with pytest.raises(CriticalKVError, match=message):
+        longbench_run.read_datasets(data, names)
+
+
+def test_read_datasets_refuses_missing_and_empty_data(data: Path, tmp_path: Path) -> None:
+    with pytest.raises(CriticalKVError, match="LongBench data not found"):
+        longbench_run.read_datasets(tmp_path / "absent")
+    empty = _write(data / "qasper.jsonl", [])
+    with pytest.raises(CriticalKVError, match=r"no samples in .*qasper\.jsonl"):
+        longbench_run.read_datasets(data)
+    with pytest.raises(CriticalKVError, match="no samples of lcc in"):
+        longbench_run.read_datasets(_write(tmp_path / "one.jsonl", [_record("hotpotqa", 0)]), ["lcc"])
+    empty.unlink()
+    (data / "hotpotqa.jsonl").unlink()
+    (data / "lcc.jsonl").unlink()
+    with pytest.raises(CriticalKVError, match="no LongBench file in"):
+        longbench_run.read_datasets(data)
+
+
+def _sample(dataset: str, index: int = 0, repeats: int = 6) -> LongBenchSample:
+    record = _record(dataset, index, repeats)
+    return LongBenchSample(**{k: v for k, v in record.items() if k != "_id"}, id=record["_id"])
+
+
+def test_truncation_keeps_the_question_part_whole(tiny_tokenizer) -> None:
+    sample = _sample("hotpotqa", repeats=40)
+    head, tail = prompt_parts(sample)
+    whole = len(tiny_tokenizer(build_prompt(sample))["input_ids"])
+    assert longbench_run.truncated_parts(tiny_tokenizer, sample, whole) == (head, tail)  # fits: untouched
+    cut_head, cut_tail = longbench_run.truncated_parts(tiny_tokenizer, sample, whole // 2)
+    assert cut_tail == tail and len(cut_head) < len(head) // 2
+    assert cut_head + cut_tail == truncate_middle(tiny_tokenizer, build_prompt(sample), whole // 2)  # THUDM's prompt
+    tail_tokens = len(tiny_tokenizer(tail)["input_ids"])
+    with pytest.raises(CriticalKVError, match=f"max length 40 is too small .* question part has {tail_tokens} tokens"):
+        longbench_run.truncated_parts(tiny_tokenizer, sample, 40)
+
+
+def test_chat_template_where_thudm_applies_one(tiny_tokenizer) -> None:
+    """hotpotqa is templated (the template wraps its head and tail); lcc is raw, with the tokenizer's own special
+    tokens; without a template every dataset is raw."""
+    chat = copy.deepcopy(tiny_tokenizer)
+    chat.chat_template = (
+        "{% for m in messages %}<s>[U]{{ m['content'] }}[/U]{% endfor %}{% if add_generation_prompt %}[A]{% endif %}"
+    )
+    sample = _sample("hotpotqa")
+    head, tail = prompt_parts(sample)
+    prefix_ids, suffix_ids = longbench_run.encode_sample(chat, sample, 3500)
+    assert prefix_ids == chat("<s>[U]" + head, add_special_tokens=False)["input_ids"]
+    assert suffix_ids == chat(tail + "[/U][A]", add_special_tokens=False)["input_ids"]
+    raw = _sample("lcc")
+    raw_head, raw_tail = prompt_parts(raw)
+    assert longbench_run.encode_sample(chat, raw, 3500) == (
+        chat(raw_head)["input_ids"],
+        chat(raw_tail, add_special_tokens=False)["input_ids"],
+    )
+    assert longbench_run.encode_sample(tiny_tokenizer, sample, 3500) == (
+        tiny_tokenizer(head)["input_ids"],
+        tiny_tokenizer(tail, add_special_tokens=False)["input_ids"],
+    )
+
+
+def test_rows_scores_and_resume(data: Path, model_folder: Path, tmp_path: Path, monkeypatch) -> None:
+    args = [str(data), "--model", str(model_folder), "--device", "cpu", "--methods", "snapkv", "--budgets", "0.5"]
+    args += ["--max-new-tokens", "3"]
+    probe = tmp_path / "probe"
+    code, output = _invoke([*args, "--samples", "2", "--out", str(probe)])
+    assert code == 0, output
+    rows = load_rows(probe / "results.jsonl")
+    assert sorted({(r.task, r.index) for r in rows}) == [("hotpotqa", 0), ("hotpotqa", 1), ("lcc", 0), ("lcc", 1)]
+    assert sorted((r.method, r.budget) for r in rows) == [("full", 1.0)] * 4 + [("snapkv", 0.5)] * 4
+    assert all(r.regime == "agnostic" and 0 < r.kept_fraction <= 1 for r in rows)
+    # the random model's answers score 0 on any real answer: its full-cache answers become the gold ones
+    full = {(r.task, r.index): r.prediction for r in rows if r.method == "full"}
+    for dataset in ("hotpotqa", "lcc"):
+        records = [_record(dataset, i) for i in range(3)]
+        for i in (0, 1):
+            records[i]["answers"].append(full[(dataset, i)])
+        _write(data / f"{dataset}.jsonl", records)
+
+    out = tmp_path / "out"
+    code, output = _invoke([*args, "--samples", "2", "--out", str(out)])
+    assert code == 0, output
+    answered = []
+    real = longbench_run.score_item
+    monkeypatch.setattr(longbench_run, "score_item", lambda item, p: answered.append(item.index) or real(item, p))
+    code, output = _invoke([*args, "--samples", "3", "--out", str(out)])  # resumes: each dataset's third sample
+    assert code == 0, output
+    assert answered == [2, 2, 2, 2]  # two datasets x two pairs
+    rows = load_rows(out / "results.jsonl")
+    assert len(rows) == 12 and len({(r.task, r.index, r.method) for r in rows}) == 12
+
+    groups = longbench_run.read_datasets(data)
+    samples = [s for group in groups.values() for s in group]
+    summary = json.loads((out / "summary.json").read_text())
+    for method in ("full", "snapkv"):
+        answers = {(r.task, r.index): r.prediction for r in rows if r.method == method}
+        predictions = [answers[(s.dataset, i)] for group in groups.values() for i, s in enumerate(group)]
+        expected = score_samples(samples, predictions)
+        entry = next(e for e in summary["rows"] if e["method"] == method)
+        assert entry["tasks"] == pytest.approx({k: v for k, v in expected.items() if k != "average"})
+        assert entry["mean"] == pytest.approx(expected["average"])
+    assert next(e for e in summary["rows"] if e["method"] == "full")["mean"] > 0
+    report = (out / "report.md").read_text()
+    assert report.startswith(f"# LongBench (max length 3500), {model_folder.name}, question-agnostic\n")
+
+
+def test_full_budget_answers_as_the_uncompressed_model(data: Path, model_folder: Path, tmp_path: Path) -> None:
+    """snapkv at budget 1.0 and the full cache answer as transformers' own greedy generation on THUDM's prompt, up
+    to hotpotqa's 32 new tokens."""
+    out = tmp_path / "out"
+    args = [str(data), "--model", str(model_folder), "--device", "cpu", "--datasets", "hotpotqa", "--samples", "1"]
+    code, output = _invoke([*args, "--methods", "snapkv", "--budgets", "1.0", "--question-aware", "--out", str(out)])
+    assert code == 0, output
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
+    prompt = tokenizer(build_prompt(_sample("hotpotqa")), return_tensors="pt")["input_ids"]  # (1, t)
+    eos = tokenizer.eos_token_id
+    generated = model.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    new = generated[0, prompt.shape[1] :].tolist()
+    assert len(new) == 32 or new[-1] == eos
+    reference = tokenizer.decode(new, skip_special_tokens=True).strip()
+    rows = load_rows(out / "results.jsonl")
+    assert [(r.method, r.prediction) for r in rows] == [("full", reference), ("snapkv", reference)]
+    assert all(r.prompt_tokens == prompt.shape[1] and r.kept_fraction == 1.0 for r in rows)
+
+
+def test_cli_errors(data: Path, model_folder: Path, tmp_path: Path, monkeypatch) -> None:
+    def sweep(*args, **kwargs):
+        raise AssertionError("the sweep started")
+
+    monkeypatch.setattr("criticalkv.eval.commands.run_sweep", sweep)
+    model = ["--model", str(model_folder), "--device", "cpu", "--out", str(tmp_path / "out")]
+    _write(tmp_path / "empty.jsonl", [])
+    for args, message in [
+        ([str(tmp_path / "absent")], f"LongBench data not found: {tmp_path / 'absent'}"),
+        ([str(data), "--datasets", "hotpotqa,squad"], "Unknown LongBench dataset 'squad'"),
+        ([str(tmp_path / "empty.jsonl")], "no samples in"),
+        ([str(data), "--max-length", "30"], "max length 30 is too small for hotpotqa sample hotpotqa-0"),
+    ]:
+        code, output = _invoke([*args, *model])
+        assert code == 2 and "error:" in output and message in output, output
+    assert not (tmp_path / "out").exists()
