@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from tokenizers import Tokenizer, normalizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
 from criticalkv.cli import app
@@ -129,6 +130,20 @@ def test_truncation_keeps_the_question_part_whole(tiny_tokenizer) -> None:
     tail_tokens = len(tiny_tokenizer(tail)["input_ids"])
     with pytest.raises(CriticalKVError, match=f"max length 40 is too small .* question part has {tail_tokens} tokens"):
         longbench_run.truncated_parts(tiny_tokenizer, sample, 40)
+
+
+def test_truncation_by_a_tokenizer_whose_decoding_alters_text(tiny_tokenizer) -> None:
+    """A lowercasing tokenizer decodes the kept end in lower case: the question part is the decoded one, as it
+    stands in THUDM's truncated prompt."""
+    backend = Tokenizer.from_str(tiny_tokenizer.backend_tokenizer.to_str())
+    backend.normalizer = normalizers.Lowercase()
+    lowering = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
+    sample = _sample("hotpotqa", repeats=40)
+    prompt = build_prompt(sample)
+    short = len(lowering(prompt)["input_ids"]) // 2
+    head, tail = longbench_run.truncated_parts(lowering, sample, short)
+    assert tail == prompt_parts(sample)[1].lower() != prompt_parts(sample)[1]
+    assert head + tail == truncate_middle(lowering, prompt, short)
 
 
 def test_chat_template_where_thudm_applies_one(tiny_tokenizer) -> None:

@@ -93,23 +93,27 @@ def truncated_parts(tokenizer: PreTrainedTokenizerBase, sample: LongBenchSample,
     """THUDM's prompt after ``truncate_middle`` to ``max_length`` tokens, split before the question part.
 
     Returns ``prompt_parts(sample)`` when the prompt fits; else (the truncated prompt less the question part, the
-    question part). Raises ``CriticalKVError`` when the question part does not survive the truncation whole: it
-    is longer than the ``max_length // 2`` tokens THUDM keeps at the end, or decoding altered it.
+    question part, as the decoding of its tokens gives it back). Raises ``CriticalKVError`` when the question part
+    does not survive the truncation whole: it is longer than the ``max_length // 2`` tokens THUDM keeps at the end,
+    or the truncated prompt ends with neither it nor its decoding.
     """
     head, tail = prompt_parts(sample)
     prompt = truncate_middle(tokenizer, head + tail, max_length)
     if prompt == head + tail:
         return head, tail
     where = f"{sample.dataset} sample {sample.id}"
-    tail_tokens = len(tokenizer(tail, add_special_tokens=False)["input_ids"])
-    if tail_tokens > max_length // 2:
+    tail_ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
+    if len(tail_ids) > max_length // 2:
         raise CriticalKVError(
-            f"max length {max_length} is too small for {where}: its question part has {tail_tokens} tokens, a "
+            f"max length {max_length} is too small for {where}: its question part has {len(tail_ids)} tokens, a "
             f"truncated prompt keeps its last {max_length // 2}"
         )
-    if not prompt.endswith(tail):
-        raise CriticalKVError(f"{where}: its prompt truncated to {max_length} tokens no longer ends with the question")
-    return prompt[: len(prompt) - len(tail)], tail
+    # the kept end is decoded text: a tokenizer whose decoding alters text (normalises, cleans up spaces) alters
+    # the question in THUDM's prompt too
+    for question in (tail, tokenizer.decode(tail_ids, skip_special_tokens=True)):
+        if prompt.endswith(question):
+            return prompt[: len(prompt) - len(question)], question
+    raise CriticalKVError(f"{where}: its prompt truncated to {max_length} tokens no longer ends with the question")
 
 
 def encode_sample(
