@@ -247,6 +247,9 @@ def test_cli_errors(data: Path, model_folder: Path, tmp_path: Path, monkeypatch)
         ([str(data), "--datasets", "hotpotqa,squad"], "Unknown LongBench dataset 'squad'"),
         ([str(tmp_path / "empty.jsonl")], "no samples in"),
         ([str(data), "--max-length", "30"], "max length 30 is too small for hotpotqa sample hotpotqa-0"),
+        ([str(data), "--max-length", "0"], "--max-length must be >= 1, got 0"),
+        ([str(data), "--samples", "-1"], "--samples must be >= 0, got -1"),
+        ([str(data), "--max-new-tokens", "-2"], "--max-new-tokens must be >= 0, got -2"),
     ]:
         code, output = _invoke([*args, *model])
         assert code == 2 and "error:" in output and message in output, output

@@ -236,12 +236,12 @@ def longbench(
     ),
     budgets: Annotated[str, typer.Option(help="Comma-separated budgets.")] = "0.2",
     datasets: Annotated[str, typer.Option(help="Comma-separated datasets (default: every one in DATA).")] = "",
-    samples: Annotated[int, typer.Option(min=0, help="Samples per dataset, the first ones (0: all).")] = 0,
+    samples: Annotated[int, typer.Option(help="Samples per dataset, the first ones (0: all).")] = 0,
     max_length: Annotated[
-        int, typer.Option(min=1, help="Prompts longer than this many tokens lose their middle (THUDM's truncation).")
+        int, typer.Option(help="Prompts longer than this many tokens lose their middle (THUDM's truncation).")
     ] = 3500,
     question_aware: Annotated[bool, typer.Option(help="Compress the question with the context.")] = False,
-    max_new_tokens: Annotated[int, typer.Option(min=0, help="Cap on generated tokens (0: THUDM's per dataset).")] = 0,
+    max_new_tokens: Annotated[int, typer.Option(help="Cap on generated tokens (0: THUDM's per dataset).")] = 0,
     out: Annotated[Path | None, typer.Option(help="Results folder (resumes if it has results).")] = None,
     batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = False,
     dtype: Annotated[str, typer.Option(help="auto, bfloat16 or float32.")] = "auto",
@@ -253,6 +253,9 @@ def longbench(
     from criticalkv.eval import longbench_run
 
     try:
+        at_least(samples, 0, "--samples")
+        at_least(max_length, 1, "--max-length")
+        at_least(max_new_tokens, 0, "--max-new-tokens")
         groups = longbench_run.read_datasets(data, _split(datasets))
         parsed = [Budget.parse(b) for b in _split(budgets)]
         names = _methods(methods)
