@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import sys
@@ -12,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "kvpress"))
 
 from plot_benchmarks import (
     answer_cells,
@@ -134,7 +136,6 @@ def test_compression_time_summary_and_table() -> None:
 
 def test_kvpress_hook_clock_sums_the_hooks_time_and_passes_their_results() -> None:
     """kvpress's side: ``HookClock`` wraps a press's ``forward_hook`` (no kvpress needed: any object with one)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "kvpress"))
     from speed_kvpress import HookClock
 
     class Press:
@@ -427,3 +428,70 @@ def test_timed_prefill_splits_into_phases_with_compression_apart(tiny_tokenizer)
     }  # the prefill only: the two decode steps are not in it
     assert sum(p["cpu_seconds"] for p in phases.values()) <= result["ttft_cpu_seconds"]
     assert all(p["cpu_seconds"] > 0 for p in phases.values())
+
+
+def _same_process_run(label: str, repeat: int, ttft: float, compression: float, decode_ms: float) -> dict:
+    return {
+        "label": label,
+        "repeat": repeat,
+        "ttft_cpu_seconds": ttft,
+        "compression_cpu_seconds": compression,
+        "decode_cpu_ms_per_token_median": decode_ms,
+        "kv_bytes": 100 if label.startswith("ours") else 500,
+        "generated": [1, 2, 3],
+    }
+
+
+def test_same_process_summary_pairs_each_repeats_systems() -> None:
+    """Ratio of medians beside the median of the per-repeat ratios; ours lower counted; rest = TTFT - compression."""
+    from same_process import summarise as summarise_same
+
+    runs = [_same_process_run("full", k, 9.0 + k, 0.0, 50.0) for k in range(3)]
+    for k, (ours, theirs) in enumerate([(10.0, 11.0), (12.0, 11.0), (8.0, 10.0)]):
+        runs.append(_same_process_run("ours:snapkv", k, ours, 0.1, 40.0))
+        runs.append(_same_process_run("kvpress:snapkv", k, theirs, 0.3, 50.0))
+    s = summarise_same(runs, ["snapkv"])["snapkv"]
+    assert s["repeats"] == 3 and s["ttft_ours"] == 10.0 and s["ttft_kvpress"] == 11.0
+    assert s["ttft_ratio"] == pytest.approx(10 / 11)
+    assert s["ttft_within"] == pytest.approx(10 / 11) and s["ttft_ours_lower"] == 2  # ratios 0.909, 1.091, 0.8
+    assert s["rest_ours"] == pytest.approx(9.9) and s["rest_kvpress"] == pytest.approx(10.7)
+    assert s["compression_ratio"] == pytest.approx(1 / 3) and s["decode_ms_within"] == pytest.approx(0.8)
+    assert (s["kv_bytes_ours"], s["kv_bytes_kvpress"], s["same_tokens"]) == (100, 500, True)
+    runs[-1]["generated"] = [1, 2, 4]
+    assert summarise_same(runs, ["snapkv"])["snapkv"]["same_tokens"] is False
+    assert summarise_same(runs, ["snapkv"])["full"] == {"repeats": 3, "ttft_median": 10.0}
+
+
+def test_same_process_adapter_gives_a_press_hook_the_cache_and_positions(tiny_tokenizer) -> None:
+    """Under transformers 5.x the attention modules get ``cache``: the adapter, run before a press's hook, hands it
+    over as ``past_key_values`` with the forward's positions; it is removed with the press."""
+    import torch
+    from same_process import adapted, attention_modules
+    from test_sweep import _tiny_model
+    from transformers import DynamicCache, LlamaConfig
+
+    model = _tiny_model(LlamaConfig, tiny_tokenizer)
+    seen = []
+
+    class Press:  # registers its hook as kvpress's BasePress.__call__ does
+        @contextlib.contextmanager
+        def __call__(self, model):
+            def hook(module, args, kwargs, output):
+                seen.append((module.layer_idx, kwargs["past_key_values"] is cache, kwargs["cache_position"].tolist()))
+
+            handles = [m.register_forward_hook(hook, with_kwargs=True) for m in attention_modules(model)]
+            yield
+            for handle in handles:
+                handle.remove()
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        with adapted(model, Press()):
+            model(input_ids=torch.arange(2, 7)[None], cache=cache, use_cache=True)
+        assert seen == [(i, True, [0, 1, 2, 3, 4]) for i in range(model.config.num_hidden_layers)]
+        with adapted(model, Press()):
+            model(input_ids=torch.tensor([[9]]), cache=cache, use_cache=True)
+        assert seen[-1] == (model.config.num_hidden_layers - 1, True, [5])
+        count = len(seen)
+        model(input_ids=torch.tensor([[9]]), cache=cache, use_cache=True)  # outside: no hook left behind
+    assert len(seen) == count

@@ -2,8 +2,8 @@
 """Run one NVIDIA kvpress 0.5.5 press on one prompt and dump what it kept, as a reference for criticalkv.
 
 Runs INSIDE the separate kvpress virtual environment (see setup_kvpress_env.sh), as its own process.
-It must never be imported from criticalkv's environment: kvpress pins transformers<5.3 and patches
-transformers' attention functions process-wide on import. It does not import criticalkv.
+kvpress pins transformers<5.3 and patches transformers' attention functions process-wide on import; this script
+does not import criticalkv. (Its helpers import kvpress only when called: ``same_process.py`` reuses them.)
 
     $VENV/bin/python benchmarks/kvpress/run_kvpress.py --model FOLDER --input IDS.json \
         --press critical-snapkv --compression-ratio 0.7 --out OUT.pt [--generate 16]
@@ -85,11 +85,16 @@ def load_model(args, device: str = "cpu"):
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation=args.attn_implementation)
     model = model.to(device).eval()
     lm = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    return model, lm, fill_config_head_dim(lm)
+
+
+def fill_config_head_dim(lm) -> bool:
+    """Give the config the head_dim its attention modules use when it has none (Qwen2); whether it had to."""
     attn0 = lm.layers[0].self_attn
     patched = getattr(attn0.config, "head_dim", None) is None
     if patched:
         attn0.config.head_dim = attn0.head_dim
-    return model, lm, patched
+    return patched
 
 
 def build_press(args, kvpress):
