@@ -1,4 +1,4 @@
-"""Plots and Markdown tables of benchmarks/speed_memory.py and benchmarks/quality_vs_kvpress.py reports.
+"""Plots and Markdown tables of benchmarks/speed_memory.py, quality_vs_kvpress.py and kvpress/same_process.py reports.
 
     python benchmarks/plot_benchmarks.py --speed results/speed_memory_smollm2.json \
         --quality results/quality_vs_kvpress_smollm2/report.json --tag smollm2 --out-dir docs/img/benchmarks --tables
@@ -7,8 +7,9 @@ Writes ``{tag}_time.png`` (time to first token and decode time per token against
 ``{tag}_memory.png`` (peak memory above the start of the prefill and KV bytes held, against context length),
 ``{tag}_ratios.png`` (ours/kvpress per method, figure and length), where the runs recorded it ``{tag}_compression.png``
 (the prefill's CPU time spent compressing, and the rest of it, against context length) and, with ``--quality``,
-``{tag}_quality.png`` (answer agreement and RULER scores). ``--tables`` prints the Markdown tables of
-docs/benchmarks.md.
+``{tag}_quality.png`` (answer agreement and RULER scores); with ``--same-process`` (any number of reports),
+``{tag}_same_process.png`` (ours / kvpress within each repeat, time to first token and decode). ``--tables`` prints
+the Markdown tables of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -346,10 +347,69 @@ def quality_tables(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _same_process_cells(reports: list[dict]) -> list[tuple[str, dict, str]]:
+    """(cell label, report, method) for every method of every same_process.py report, in the order given."""
+    return [
+        (f"{r['model']} {r['prompt_tokens']}\n{method}", r, method)
+        for r in reports
+        for method in r["summary"]
+        if method != "full"
+    ]
+
+
+def same_process_ratios(report: dict, method: str, key: str) -> list[float]:
+    """Ours / kvpress of ``key`` in each repeat of one method of a same_process.py report."""
+    by = {(run["label"], run["repeat"]): run[key] for run in report["runs"]}
+    repeats = sorted({run["repeat"] for run in report["runs"]})
+    return [by[(f"ours:{method}", k)] / by[(f"kvpress:{method}", k)] for k in repeats]
+
+
+def same_process_table(reports: list[dict]) -> str:
+    """One row per (model, length, method) of same_process.py reports: CPU-time medians and ratios."""
+    lines = [
+        "| model | tokens | method | repeats | TTFT ours / kvpress (s) | ratio of medians | within each repeat: "
+        "median, ours lower | `full` (s) | compression ours / kvpress (s) | rest within | decode ours / kvpress "
+        "(ms) | decode within | KV bytes ours / kvpress | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for _, r, method in _same_process_cells(reports):
+        s = r["summary"][method]
+        lines.append(
+            f"| {r['model']} | {r['prompt_tokens']} | {method} | {s['repeats']} | {s['ttft_ours']:.2f} / "
+            f"{s['ttft_kvpress']:.2f} | {s['ttft_ratio']:.3f} | {s['ttft_within']:.3f}, {s['ttft_ours_lower']} of "
+            f"{s['repeats']} | {r['summary']['full']['ttft_median']:.2f} | {s['compression_ours']:.3f} / "
+            f"{s['compression_kvpress']:.3f} | {s['rest_within']:.3f} | {s['decode_ms_ours']:.1f} / "
+            f"{s['decode_ms_kvpress']:.1f} | {s['decode_ms_within']:.3f} | "
+            f"{s['kv_bytes_ours'] / s['kv_bytes_kvpress']:.3f} | {'yes' if s['same_tokens'] else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_same_process(reports: list[dict], title: str, path: Path) -> None:
+    """Ours / kvpress in each repeat (dots) and their median (bar), per cell; time to first token and decode."""
+    cells = _same_process_cells(reports)
+    keys = [("ttft_cpu_seconds", "time to first token"), ("decode_cpu_ms_per_token_median", "decode / token")]
+    fig, axes = plt.subplots(len(keys), 1, figsize=(max(6.0, 0.9 * len(cells)), 3.4 * len(keys)), sharex=True)
+    for ax, (key, name) in zip(axes, keys, strict=True):
+        for x, (_, report, method) in enumerate(cells):
+            ratios = same_process_ratios(report, method, key)
+            ax.plot([x] * len(ratios), ratios, "o", color="tab:blue", alpha=0.5, markersize=4)
+            ax.hlines(statistics.median(ratios), x - 0.3, x + 0.3, color="black")
+        ax.axhline(1.0, color="tab:red", linewidth=0.8, linestyle=":")
+        ax.set_ylabel(f"{name}\ncriticalkv / kvpress")
+        ax.grid(axis="y", alpha=0.3)
+    axes[-1].set_xticks(range(len(cells)), [label for label, _, _ in cells], fontsize=7, rotation=90)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--speed", type=Path, help="a speed_memory.py report")
     parser.add_argument("--quality", type=Path, help="a quality_vs_kvpress.py report.json")
+    parser.add_argument("--same-process", type=Path, nargs="+", help="same_process.py reports, drawn together")
     parser.add_argument("--tag", default="smollm2", help="file name prefix, e.g. the model")
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="cpu", help="which times to draw")
     parser.add_argument("--out-dir", type=Path, default=Path("docs/img/benchmarks"))
@@ -396,6 +456,13 @@ def main() -> None:
         plot_quality(report, title, written[-1])
         if args.tables:
             print(quality_tables(report), end="\n\n")
+    if args.same_process:
+        reports = [json.loads(path.read_text()) for path in args.same_process]
+        written.append(args.out_dir / f"{args.tag}_same_process.png")
+        title = f"criticalkv / kvpress 0.5.5 in one process, budget {reports[0]['budget']}, CPU time"
+        plot_same_process(reports, title, written[-1])
+        if args.tables:
+            print(same_process_table(reports), end="\n\n")
     for path in written:
         print(f"wrote {path}")
 

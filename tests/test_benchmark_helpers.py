@@ -438,6 +438,7 @@ def _same_process_run(label: str, repeat: int, ttft: float, compression: float, 
         "compression_cpu_seconds": compression,
         "decode_cpu_ms_per_token_median": decode_ms,
         "kv_bytes": 100 if label.startswith("ours") else 500,
+        "prefill_minor_faults": 3 if label.startswith("ours") else 0,
         "generated": [1, 2, 3],
     }
 
@@ -457,6 +458,7 @@ def test_same_process_summary_pairs_each_repeats_systems() -> None:
     assert s["rest_ours"] == pytest.approx(9.9) and s["rest_kvpress"] == pytest.approx(10.7)
     assert s["compression_ratio"] == pytest.approx(1 / 3) and s["decode_ms_within"] == pytest.approx(0.8)
     assert (s["kv_bytes_ours"], s["kv_bytes_kvpress"], s["same_tokens"]) == (100, 500, True)
+    assert (s["faults_ours"], s["faults_kvpress"]) == (3, 0)
     runs[-1]["generated"] = [1, 2, 4]
     assert summarise_same(runs, ["snapkv"])["snapkv"]["same_tokens"] is False
     assert summarise_same(runs, ["snapkv"])["full"] == {"repeats": 3, "ttft_median": 10.0}
@@ -495,3 +497,19 @@ def test_same_process_adapter_gives_a_press_hook_the_cache_and_positions(tiny_to
         count = len(seen)
         model(input_ids=torch.tensor([[9]]), cache=cache, use_cache=True)  # outside: no hook left behind
     assert len(seen) == count
+
+
+def test_same_process_table_and_ratios_read_each_repeat() -> None:
+    from plot_benchmarks import same_process_ratios, same_process_table
+    from same_process import summarise as summarise_same
+
+    runs = [_same_process_run("full", k, 9.0, 0.0, 50.0) for k in range(2)]
+    for k, (ours, theirs) in enumerate([(10.0, 8.0), (9.0, 10.0)]):
+        runs.append(_same_process_run("ours:critical-adakv", k, ours, 0.5, 30.0))
+        runs.append(_same_process_run("kvpress:critical-adakv", k, theirs, 1.0, 60.0))
+    report = {"model": "m", "prompt_tokens": 2048, "runs": runs, "summary": summarise_same(runs, ["critical-adakv"])}
+    assert same_process_ratios(report, "critical-adakv", "ttft_cpu_seconds") == [1.25, 0.9]
+    table = same_process_table([report])
+    assert table.count("\n") == 2  # header, rule, one row: the full control is a column, not a row
+    row = "| m | 2048 | critical-adakv | 2 | 9.50 / 9.00 | 1.056 | 1.075, 1 of 2 | 9.00 | 0.500 / 1.000 |"
+    assert row in table and table.endswith("| 30.0 / 60.0 | 0.500 | 0.200 | yes |")

@@ -16,8 +16,12 @@ presses' own code runs unchanged. This is not kvpress's supported set-up: ``spee
 as a user runs it; this script takes the processes and transformers versions out of the ratio.
 
 Each run is ``timed_generation.timed_greedy``, as in ``speed_memory.py``: the prefill under the method (time to
-first token, and the part of it spent compressing), then ``--decode-steps`` greedy steps. Every method and the
-``full`` control run once on the first 256 tokens first.
+first token, and the part of it spent compressing), then ``--decode-steps`` greedy steps. One process serves every
+run, so how many fresh pages a prefill maps in depends on what the runs before it left in glibc's heap: from none
+to 0.8 GiB at 2k tokens under glibc's defaults, enough to move a run's time by 20%. So by default the script
+re-runs itself with ``--allocator retain`` (``timed_generation.child_environment``: no buffer ``mmap``ed, the heap
+never trimmed) and every method and the ``full`` control first run once on the whole prompt (``--warmup-tokens``):
+the timed runs then reuse memory already mapped (their page faults are recorded).
 
     OMP_NUM_THREADS=1 python benchmarks/kvpress/same_process.py --model smollm2-135m --tokens 4096 --repeats 20 \
         --methods snapkv --threads 1 --out results/same_process_smollm2_4k.json
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import sys
@@ -43,9 +48,10 @@ sys.path.insert(0, str(HERE.parent))  # benchmarks/, for timed_generation and sp
 from run_kvpress import add_model_and_press_options, build_press, fill_config_head_dim  # noqa: E402
 from speed_kvpress import HookClock  # noqa: E402
 from speed_memory import VENV, kvpress_ratio, prompt_ids  # noqa: E402
-from timed_generation import timed_greedy  # noqa: E402
+from timed_generation import ALLOCATORS, child_environment, timed_greedy  # noqa: E402
 
 METHODS = ("snapkv", "critical-snapkv", "critical-adakv")  # criticalkv presets with a kvpress press of their own
+RERUN = "CRITICALKV_SAME_PROCESS_ALLOCATOR"  # set in the re-run process: the allocator setting it runs under
 
 
 def import_kvpress(venv: Path):
@@ -104,7 +110,8 @@ def press_settings(method: str, ratio: float) -> argparse.Namespace:
 def summarise(runs: list[dict], methods: list[str]) -> dict[str, dict]:
     """Per method: medians of each system's time to first token, compression, the rest of the prefill and decode
     (CPU), the ratio of medians, and the median of ours / kvpress within each repeat with how often ours was lower;
-    the KV bytes each holds after the prefill; whether the two generated the same tokens in every repeat."""
+    the KV bytes each holds after the prefill; the median page faults of their prefills; whether the two generated
+    the same tokens in every repeat."""
     by = {(r["label"], r["repeat"]): r for r in runs}
     repeats = sorted({r["repeat"] for r in runs})
     summary = {}
@@ -128,6 +135,8 @@ def summarise(runs: list[dict], methods: list[str]) -> dict[str, dict]:
                 f"{name}_ours_lower": sum(w < 1 for w in within),
             }
         figures["kv_bytes_ours"], figures["kv_bytes_kvpress"] = pairs[0][0]["kv_bytes"], pairs[0][1]["kv_bytes"]
+        figures["faults_ours"] = statistics.median(a["prefill_minor_faults"] for a, _ in pairs)
+        figures["faults_kvpress"] = statistics.median(b["prefill_minor_faults"] for _, b in pairs)
         figures["same_tokens"] = all(a["generated"] == b["generated"] for a, b in pairs)
         summary[method] = figures
     full = [r["ttft_cpu_seconds"] for r in runs if r["label"] == "full"]
@@ -189,6 +198,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--warmup-tokens", type=int, default=0, help="warm-up prompt length (0: the whole prompt)")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="retain", help="glibc's allocator setting")
     parser.add_argument("--out", type=Path, default=Path("results/same_process.json"))
     args = parser.parse_args()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -197,6 +208,9 @@ def main() -> None:
         parser.error(f"--methods takes {', '.join(METHODS)}; got {args.methods!r}")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    environment = child_environment(args.allocator)
+    if os.environ.get(RERUN) is None:  # glibc reads its settings at start: run again under them
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**environment, RERUN: args.allocator})
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -211,8 +225,8 @@ def main() -> None:
     ids = torch.tensor([prompt_ids(tokenizer, args.tokens)])
     table = runners(model, kvpress, methods, args.budget, ids.shape[1])
     labels = list(table)
-    for label in labels:  # warm-up: every code path once on a short prompt
-        table[label](ids[:, :256], 2)
+    for label in labels:  # warm-up: every code path once, and the memory of a whole prompt mapped in
+        table[label](ids[:, : args.warmup_tokens or ids.shape[1]], 2)
     report = {
         "command": "python benchmarks/kvpress/same_process.py " + " ".join(sys.argv[1:]),
         "model": args.model,
@@ -220,6 +234,8 @@ def main() -> None:
         "budget": args.budget,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
+        "allocator": os.environ[RERUN],
+        "warmup_tokens": args.warmup_tokens or ids.shape[1],
         "machine": platform.machine(),
         "versions": {
             "torch": torch.__version__,
