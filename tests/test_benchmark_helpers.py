@@ -457,10 +457,10 @@ def test_same_process_summary_pairs_each_repeats_systems() -> None:
     assert s["ttft_within"] == pytest.approx(10 / 11) and s["ttft_ours_lower"] == 2  # ratios 0.909, 1.091, 0.8
     assert s["rest_ours"] == pytest.approx(9.9) and s["rest_kvpress"] == pytest.approx(10.7)
     assert s["compression_ratio"] == pytest.approx(1 / 3) and s["decode_ms_within"] == pytest.approx(0.8)
-    assert (s["kv_bytes_ours"], s["kv_bytes_kvpress"], s["same_tokens"]) == (100, 500, True)
+    assert (s["kv_bytes_ours"], s["kv_bytes_kvpress"], s["first_difference"]) == (100, 500, None)
     assert (s["faults_ours"], s["faults_kvpress"]) == (3, 0)
     runs[-1]["generated"] = [1, 2, 4]
-    assert summarise_same(runs, ["snapkv"])["snapkv"]["same_tokens"] is False
+    assert summarise_same(runs, ["snapkv"])["snapkv"]["first_difference"] == 2
     assert summarise_same(runs, ["snapkv"])["full"] == {"repeats": 3, "ttft_median": 10.0}
 
 
@@ -512,4 +512,4 @@ def test_same_process_table_and_ratios_read_each_repeat() -> None:
     table = same_process_table([report])
     assert table.count("\n") == 2  # header, rule, one row: the full control is a column, not a row
     row = "| m | 2048 | critical-adakv | 2 | 9.50 / 9.00 | 1.056 | 1.075, 1 of 2 | 9.00 | 0.500 / 1.000 |"
-    assert row in table and table.endswith("| 30.0 / 60.0 | 0.500 | 0.200 | yes |")
+    assert row in table and table.endswith("| 30.0 / 60.0 | 0.500 | 0.200 | identical |")

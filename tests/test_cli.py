@@ -93,6 +93,8 @@ def test_run_json_folder_created_before_loading(tmp_path, monkeypatch):
         (["run", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 1, got -1"),
         (["eval", "ruler", "--max-new-tokens", "-5"], "--max-new-tokens must be >= 0, got -5"),
         (["eval", "ruler", "--samples", "0"], "--samples must be >= 1, got 0"),
+        (["run", "--depth", "1.5"], "--depth must be in [0, 1], got 1.5"),
+        (["run", "--context-tokens", "0"], "--context-tokens must be >= 1, got 0"),
     ],
 )
 def test_nonsense_counts_refused(no_model, args, message):

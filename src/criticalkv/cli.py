@@ -194,6 +194,10 @@ def _run(
         raise CriticalKVError(f"--context-file {context_file} is not a file")
     if context_file is not None and not questions:
         raise CriticalKVError("--context-file needs at least one --question")
+    if context_file is None and not 0.0 <= depth <= 1.0:  # the needle's settings, checked before loading the model
+        raise CriticalKVError(f"--depth must be in [0, 1], got {depth}")
+    if context_file is None:
+        at_least(context_tokens, 1, "--context-tokens")
     with console.status(f"loading {model_name}"):
         model, tokenizer = launch.load_model(model_name, dtype=dtype, device=device)
     layout = ParallelLayout.of(model)  # one process, or where this one sits in a torchrun split
