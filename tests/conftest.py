@@ -69,3 +69,15 @@ def capture_decisions(monkeypatch):
 
     monkeypatch.setattr(Method, "decide", decide)
     return calls
+
+
+def save_random_llama(folder: Path, tokenizer, **shape) -> Path:
+    """A random float32 Llama of ``shape`` (LlamaConfig fields; seed 0) over ``tokenizer``, saved with it as a model
+    folder the CLI loads."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), **shape)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import save_random_llama
 from typer.testing import CliRunner
 
 from criticalkv.cli import app
@@ -104,10 +103,9 @@ def test_nonsense_counts_refused(no_model, args, message):
 @pytest.fixture(scope="module")
 def short_model(tmp_path_factory, tiny_tokenizer) -> Path:
     """A random 1-layer Llama folder with room for 128 positions only."""
-    folder = tmp_path_factory.mktemp("short-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tiny_tokenizer),
+    return save_random_llama(
+        tmp_path_factory.mktemp("short-llama"),
+        tiny_tokenizer,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=1,
@@ -115,9 +113,6 @@ def short_model(tmp_path_factory, tiny_tokenizer) -> Path:
         num_key_value_heads=1,
         max_position_embeddings=128,
     )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
-    return folder
 
 
 def test_context_longer_than_the_model_refused_before_prefill(short_model, tmp_path, monkeypatch):

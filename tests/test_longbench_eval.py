@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import save_random_llama
 from tokenizers import Tokenizer, normalizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
 from criticalkv.cli import app
@@ -54,10 +55,9 @@ def data(tmp_path: Path) -> Path:
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory, tiny_tokenizer) -> Path:
     """A random 2-layer float32 Llama over the tiny tokenizer, saved as a folder the CLI loads."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tiny_tokenizer),
+    return save_random_llama(
+        tmp_path_factory.mktemp("tiny-llama"),
+        tiny_tokenizer,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -65,9 +65,6 @@ def model_folder(tmp_path_factory, tiny_tokenizer) -> Path:
         num_key_value_heads=2,
         max_position_embeddings=2048,
     )
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
-    return folder
 
 
 def _invoke(args: list[str]) -> tuple[int, str]:

@@ -31,6 +31,10 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 console = Console()
+# options the sweep commands share
+ModelOption = Annotated[str, typer.Option(help="Preset name, local folder or hub id.")]
+MethodsOption = Annotated[str, typer.Option(help="Comma-separated presets (the full cache always runs).")]
+BudgetsOption = Annotated[str, typer.Option(help="Comma-separated budgets.")]
 
 
 def _split(text: str) -> list[str]:
@@ -73,11 +77,9 @@ _BATCH_HELP = (
 
 @app.command()
 def ruler(
-    model: Annotated[str, typer.Option(help="Preset name, local folder or hub id.")] = DEFAULT_PRESET,
-    methods: Annotated[str, typer.Option(help="Comma-separated presets (the full cache always runs).")] = (
-        "snapkv,critical-snapkv"
-    ),
-    budgets: Annotated[str, typer.Option(help="Comma-separated budgets.")] = "0.2",
+    model: ModelOption = DEFAULT_PRESET,
+    methods: MethodsOption = "snapkv,critical-snapkv",
+    budgets: BudgetsOption = "0.2",
     tasks: Annotated[str, typer.Option(help="Comma-separated RULER tasks (default: all 13).")] = "",
     length: Annotated[int, typer.Option(help="Prompt length in the model's tokens.")] = 4096,
     samples: Annotated[int, typer.Option(help="Samples per task.")] = 20,
@@ -164,7 +166,7 @@ def _check_prompts(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase,
 
 @app.command()
 def needle(
-    model: Annotated[str, typer.Option(help="Preset name, local folder or hub id.")] = DEFAULT_PRESET,
+    model: ModelOption = DEFAULT_PRESET,
     methods: Annotated[str, typer.Option(help="Comma-separated presets.")] = "snapkv,critical-snapkv",
     budget: Annotated[str, typer.Option(help="One budget.")] = "0.2",
     lengths: Annotated[str, typer.Option(help="Comma-separated context lengths.")] = "1024,2048,4096",
@@ -230,11 +232,9 @@ def needle(
 @app.command()
 def longbench(
     data: Annotated[Path, typer.Argument(help="A LongBench JSONL file, or a folder of <dataset>.jsonl files.")],
-    model: Annotated[str, typer.Option(help="Preset name, local folder or hub id.")] = DEFAULT_PRESET,
-    methods: Annotated[str, typer.Option(help="Comma-separated presets (the full cache always runs).")] = (
-        "snapkv,critical-snapkv"
-    ),
-    budgets: Annotated[str, typer.Option(help="Comma-separated budgets.")] = "0.2",
+    model: ModelOption = DEFAULT_PRESET,
+    methods: MethodsOption = "snapkv,critical-snapkv",
+    budgets: BudgetsOption = "0.2",
     datasets: Annotated[str, typer.Option(help="Comma-separated datasets (default: every one in DATA).")] = "",
     samples: Annotated[int, typer.Option(help="Samples per dataset, the first ones (0: all).")] = 0,
     max_length: Annotated[
