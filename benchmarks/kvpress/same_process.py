@@ -122,7 +122,7 @@ def summarise(runs: list[dict], methods: list[str]) -> dict[str, dict]:
     summary = {}
     for method in methods:
         pairs = [(by[(f"ours:{method}", k)], by[(f"kvpress:{method}", k)]) for k in repeats]
-        figures: dict[str, float | int | bool] = {"repeats": len(pairs)}
+        figures: dict[str, float | int | None] = {"repeats": len(pairs)}
         for name, read in (
             ("ttft", lambda r: r["ttft_cpu_seconds"]),
             ("compression", lambda r: r["compression_cpu_seconds"]),
