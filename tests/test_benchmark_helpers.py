@@ -468,9 +468,11 @@ def test_same_process_adapter_gives_a_press_hook_the_cache_and_positions(tiny_to
     """Under transformers 5.x the attention modules get ``cache``: the adapter, run before a press's hook, hands it
     over as ``past_key_values`` with the forward's positions; it is removed with the press."""
     import torch
-    from same_process import adapted, attention_modules
+    from same_process import adapted
     from test_sweep import _tiny_model
     from transformers import DynamicCache, LlamaConfig
+
+    from criticalkv.models.families import attention_modules
 
     model = _tiny_model(LlamaConfig, tiny_tokenizer)
     seen = []

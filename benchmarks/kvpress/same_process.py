@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from criticalkv.models.families import attention_modules
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/, for timed_generation and speed_memory
 
@@ -80,10 +82,6 @@ def cache_adapter(module: torch.nn.Module, args: tuple, kwargs: dict, output: ob
     q_len = kwargs["hidden_states"].shape[1]
     end = cache.layers[module.layer_idx].keys.shape[2]  # this layer's length after this forward's tokens
     kwargs.setdefault("cache_position", torch.arange(end - q_len, end, device=kwargs["hidden_states"].device))
-
-
-def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")]
 
 
 @contextlib.contextmanager
@@ -214,9 +212,9 @@ def main() -> None:
         parser.error(f"--methods takes {', '.join(METHODS)}; got {args.methods!r}")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    environment = child_environment(args.allocator)
     if os.environ.get(RERUN) is None:  # glibc reads its settings at start: run again under them
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**environment, RERUN: args.allocator})
+        environment = {**child_environment(args.allocator), RERUN: args.allocator}
+        os.execve(sys.executable, [sys.executable, *sys.argv], environment)
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -33,6 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from criticalkv.errors import CacheStateError, CriticalKVError, UnsupportedModelError
+from criticalkv.models.families import attention_modules
 from criticalkv.runtime.compressor import prefill_view
 from criticalkv.scorers import LayerView
 
@@ -93,12 +94,6 @@ class Capture:
         if label == "all":
             return torch.ones(len(self.labels), dtype=torch.bool)
         return torch.tensor([x == label for x in self.labels], dtype=torch.bool)
-
-
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's attention modules (those with an ``o_proj`` and a ``layer_idx``), in layer order."""
-    modules = [m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")]
-    return sorted(modules, key=lambda m: m.layer_idx)
 
 
 class _Recorder:

@@ -10,7 +10,7 @@ from transformers.cache_utils import CacheLayerMixin, DummyLayer
 
 from criticalkv.distributed.heads import is_dtensor
 from criticalkv.errors import UnsupportedModelError
-from criticalkv.models.families import text_config
+from criticalkv.models.families import attention_modules, text_config
 
 
 class UnevenHeadsError(UnsupportedModelError):
@@ -129,7 +129,7 @@ class ParallelLayout:
     @classmethod
     def of(cls, model: PreTrainedModel) -> ParallelLayout:
         """The layout of a model loaded with (or without) a ``DistributedConfig``."""
-        attention = [m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")]
+        attention = attention_modules(model)
         initialized = dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
         tp_rank, tp_size, sharded = 0, 1, False

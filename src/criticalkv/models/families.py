@@ -1,10 +1,12 @@
-"""Model families criticalkv supports, and the few config facts the cache needs from them."""
+"""Model families criticalkv supports, the few config facts the cache needs from them, and where a model's attention
+modules are."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from torch import nn
 from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
@@ -133,3 +135,9 @@ def check_length(config: PretrainedConfig, length: int, what: str = "length") ->
     if max_length is not None and length > max_length:
         raise CriticalKVError(f"{what} {length} exceeds the model's maximum of {max_length} positions")
     return max_length
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's attention modules (those with an ``o_proj`` and a ``layer_idx``), in layer order."""
+    modules = [m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")]
+    return sorted(modules, key=lambda m: m.layer_idx)

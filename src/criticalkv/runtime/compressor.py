@@ -26,7 +26,7 @@ from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer, attention
 from criticalkv.distributed.layout import check_model
 from criticalkv.errors import CacheStateError, PaddingError, UnsupportedModelError
-from criticalkv.models.families import check_supported
+from criticalkv.models.families import attention_modules, check_supported
 from criticalkv.runtime.method import Method
 from criticalkv.scorers import LayerView
 
@@ -148,7 +148,7 @@ class Compressor:
                 f"attention implementation {self.base_implementation!r} is not supported; "
                 f"load the model with attn_implementation in {attention.BASE_IMPLEMENTATIONS}"
             )
-        self.modules = [m for m in self.model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")]
+        self.modules = attention_modules(self.model)
         self._hook = None
         self._finish_hook = None
         self.pending: list[PendingLayer] = []  # layers of a deferred method during a prefill
