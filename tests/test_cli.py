@@ -184,3 +184,11 @@ def test_ruler_task_too_short_refused_before_the_sweep(short_model, tmp_path, mo
     monkeypatch.setattr("criticalkv.eval.commands.run_sweep", sweep)
     model = ["--model", str(short_model), "--device", "cpu", "--samples", "1", "--out", str(tmp_path / "r")]
     _refused(["eval", "ruler", *model, "--tasks", "vt", "--length", "120"], "length 120 is too short for vt")
+
+
+def test_max_new_tokens_caps_a_benchmarks_own_count_and_never_raises_it():
+    from criticalkv.eval.commands import _capped
+
+    per_task = {"short": 8, "long": 128}
+    assert [_capped(per_task.get, 0)(t) for t in per_task] == [8, 128]  # 0: each task's own count
+    assert [_capped(per_task.get, 32)(t) for t in per_task] == [8, 32]

@@ -4,9 +4,10 @@ sample."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -53,6 +54,11 @@ def at_least(value: int, minimum: int, option: str) -> None:
     """Refuse a count below ``minimum`` as every other bad input is refused (typer's ``min=`` prints a usage box)."""
     if value < minimum:
         raise CriticalKVError(f"{option} must be >= {minimum}, got {value}")
+
+
+def _capped(default: Callable[[Any], int], cap: int) -> Callable[[Any], int]:
+    """Tokens to generate for a sample: its benchmark's own count ``default(sample)``, at most ``cap`` (0: no cap)."""
+    return lambda sample: min(default(sample), cap) if cap else default(sample)
 
 
 def _methods(text: str) -> list[str]:
@@ -114,10 +120,7 @@ def ruler(
                 for s in ruler_data.generate(task, tokenizer, length, samples, seed=seed, max_length=max_length)
             ]
 
-        def budget_of(sample) -> int:
-            default = ruler_data.TOKENS_TO_GENERATE[sample.task]
-            return min(default, max_new_tokens) if max_new_tokens else default
-
+        budget_of = _capped(lambda sample: ruler_data.TOKENS_TO_GENERATE[sample.task], max_new_tokens)
         run_sweep(
             loaded,
             tokenizer,
@@ -267,10 +270,7 @@ def longbench(
         for item in items:  # every prompt fits the model, checked before the first answer
             check_length(loaded.config, len(item.prefix_ids) + len(item.suffix_ids), f"{item.task} prompt length")
 
-        def budget_of(item: longbench_run.LongBenchItem) -> int:
-            default = longbench_data.max_new_tokens(item.sample.dataset)
-            return min(default, max_new_tokens) if max_new_tokens else default
-
+        budget_of = _capped(lambda item: longbench_data.max_new_tokens(item.sample.dataset), max_new_tokens)
         run_sweep(
             loaded,
             tokenizer,
