@@ -230,8 +230,9 @@ def test_budget_one_reproduces_the_uncompressed_model(tiny_tokenizer):
         assert bool(record.kept_whole.all())
         assert torch.equal(record.keep, mask.bool()[:, None, :].expand(-1, 2, -1))
     with Compressor(model, method, Budget(1.0)) as compressor:
-        logits = model(input_ids=ids, attention_mask=mask).logits
-        cache = compressor.active_cache
+        out = model(input_ids=ids, attention_mask=mask)
+        logits, cache = out.logits, out.past_key_values
+        assert cache is compressor.active_cache
     assert torch.equal(logits, plain_run.logits)
     t = ids.shape[1]
     for layer, plain_layer in zip(cache.layers, plain_run.past_key_values.layers, strict=True):

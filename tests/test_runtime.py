@@ -668,6 +668,19 @@ def test_a_kept_compressor_does_not_keep_the_cache_alive():
     assert cache() is None
 
 
+def test_a_dropped_cache_is_freed_inside_the_block():
+    """Inside ``compress(...)`` the compressor only points at the cache it is filling: a cache the caller drops
+    between prefills is freed then, not when the next forward or the block's end replaces the pointer."""
+    model = _model("llama")
+    with criticalkv.compress(model, "snapkv", budget=0.5) as compressor:
+        out = model(input_ids=_ids(60, seed=47), use_cache=True)
+        cache = weakref.ref(out.past_key_values)
+        assert compressor.active_cache is cache()
+        del out
+        gc.collect()
+        assert cache() is None and compressor.active_cache is None
+
+
 def test_unsupported_models():
     torch.manual_seed(0)
     gpt2 = AutoModelForCausalLM.from_config(

@@ -135,7 +135,6 @@ class Compressor:
     # process CPU time spent scoring, selecting and compressing since the last ``start_prefill`` (host time only:
     # on a GPU, kernels still running when a step returns are not in it)
     compress_cpu_seconds: float = 0.0
-    active_cache: CompressedCache | None = None
 
     def __post_init__(self) -> None:
         check_supported(self.model.config)
@@ -158,8 +157,19 @@ class Compressor:
         # (module, query, keys, mask, scaling) after computing the layer's own output (reconstruction scoring).
         self.attention_probe: Callable[..., None] | None = None
         self._state_cache: weakref.ref | None = None  # the cache whose prefill ``_state`` belongs to (not kept alive)
+        self._active: weakref.ref | None = None  # the cache the running forward fills (``active_cache``)
         self._state: dict = {}
         self.facts = PrefillFacts()  # of the forward running now: a new one with every forward
+
+    @property
+    def active_cache(self) -> CompressedCache | None:
+        """The cache the running forward fills (set by ``CompressedCache.update``), held weakly: a cache its caller
+        drops between forwards is freed then, even inside a ``compress(...)`` block."""
+        return None if self._active is None else self._active()
+
+    @active_cache.setter
+    def active_cache(self, cache: CompressedCache | None) -> None:
+        self._active = None if cache is None else weakref.ref(cache)
 
     # --- install / uninstall ---------------------------------------------------------------------------------
     @property
