@@ -462,6 +462,14 @@ def test_same_process_summary_pairs_each_repeats_systems() -> None:
     runs[-1]["generated"] = [1, 2, 4]
     assert summarise_same(runs, ["snapkv"])["snapkv"]["first_difference"] == 2
     assert summarise_same(runs, ["snapkv"])["full"] == {"repeats": 3, "ttft_median": 10.0}
+    within = [10 / 11, 12 / 11, 0.8]
+    assert s["ttft_within_mean"] == pytest.approx(sum(within) / 3)
+    assert s["ttft_within_standard_error"] == pytest.approx(statistics.stdev(within) / 3**0.5)
+    assert "full" not in summarise_same([r for r in runs if r["label"] != "full"], ["snapkv"])  # --no-control
+    for run in runs:  # --decode-steps 0: no decode figure, the prefill's still summarised
+        run["decode_cpu_ms_per_token_median"] = math.nan
+    s = summarise_same(runs, ["snapkv"])["snapkv"]
+    assert math.isnan(s["decode_ms_within_standard_error"]) and s["ttft_within_mean"] == pytest.approx(sum(within) / 3)
 
 
 def test_same_process_adapter_gives_a_press_hook_the_cache_and_positions(tiny_tokenizer) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -130,11 +131,15 @@ def summarise(runs: list[dict], methods: list[str]) -> dict[str, dict]:
             ours = [read(a) for a, _ in pairs]
             theirs = [read(b) for _, b in pairs]
             within = [a / b for a, b in zip(ours, theirs, strict=True)]
+            measured = len(within) > 1 and all(math.isfinite(w) for w in within)  # no decode: NaN ratios
+            spread = statistics.stdev(within) / len(within) ** 0.5 if measured else float("nan")
             figures |= {
                 f"{name}_ours": statistics.median(ours),
                 f"{name}_kvpress": statistics.median(theirs),
                 f"{name}_ratio": statistics.median(ours) / statistics.median(theirs),
                 f"{name}_within": statistics.median(within),
+                f"{name}_within_mean": statistics.fmean(within),
+                f"{name}_within_standard_error": spread,
                 f"{name}_ours_lower": sum(w < 1 for w in within),
             }
         figures["kv_bytes_ours"], figures["kv_bytes_kvpress"] = pairs[0][0]["kv_bytes"], pairs[0][1]["kv_bytes"]
@@ -144,12 +149,16 @@ def summarise(runs: list[dict], methods: list[str]) -> dict[str, dict]:
         figures["first_difference"] = min((d for d in differences if d is not None), default=None)
         summary[method] = figures
     full = [r["ttft_cpu_seconds"] for r in runs if r["label"] == "full"]
-    summary["full"] = {"repeats": len(full), "ttft_median": statistics.median(full)}
+    if full:  # the control, unless the runs left it out (--no-control)
+        summary["full"] = {"repeats": len(full), "ttft_median": statistics.median(full)}
     return summary
 
 
-def runners(model, kvpress, methods: list[str], budget: str, tokens: int) -> dict[str, Callable[..., dict]]:
-    """One function per label (``full``, ``ours:<method>``, ``kvpress:<method>``): (ids, steps) -> timed run."""
+def runners(
+    model, kvpress, methods: list[str], budget: str, tokens: int, control: bool = True
+) -> dict[str, Callable[..., dict]]:
+    """One function per label (``full`` with ``control``, ``ours:<method>``, ``kvpress:<method>``): (ids, steps) ->
+    timed run."""
     from transformers import DynamicCache
 
     from criticalkv.runtime.api import make_compressor
@@ -185,7 +194,7 @@ def runners(model, kvpress, methods: list[str], budget: str, tokens: int) -> dic
 
         return run
 
-    table = {"full": full}
+    table = {"full": full} if control else {}
     for method in methods:
         table[f"ours:{method}"] = ours(method)
         table[f"kvpress:{method}"] = theirs(method)
@@ -201,7 +210,10 @@ def main() -> None:
     parser.add_argument("--methods", default="snapkv", help=f"comma-separated, of {', '.join(METHODS)}")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--decode-steps", type=int, default=32, help="0: time the prefill alone")
+    parser.add_argument(
+        "--no-control", action="store_true", help="leave out the full-cache control run (more pairs in the time)"
+    )
     parser.add_argument("--warmup-tokens", type=int, default=0, help="warm-up prompt length (0: the whole prompt)")
     parser.add_argument("--allocator", choices=ALLOCATORS, default="retain", help="glibc's allocator setting")
     parser.add_argument("--out", type=Path, default=Path("results/same_process.json"))
@@ -212,6 +224,8 @@ def main() -> None:
         parser.error(f"--methods takes {', '.join(METHODS)}; got {args.methods!r}")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.decode_steps < 0:
+        parser.error("--decode-steps must be at least 0")
     if os.environ.get(RERUN) is None:  # glibc reads its settings at start: run again under them
         environment = {**child_environment(args.allocator), RERUN: args.allocator}
         os.execve(sys.executable, [sys.executable, *sys.argv], environment)
@@ -227,7 +241,7 @@ def main() -> None:
     model, tokenizer = load_model(args.model, dtype=args.dtype, device="cpu")
     fill_config_head_dim(model.model)  # CriticalKVPress reads config.head_dim (Qwen2's config has none)
     ids = torch.tensor([prompt_ids(tokenizer, args.tokens)])
-    table = runners(model, kvpress, methods, args.budget, ids.shape[1])
+    table = runners(model, kvpress, methods, args.budget, ids.shape[1], control=not args.no_control)
     labels = list(table)
     for label in labels:  # warm-up: every code path once, and the memory of a whole prompt mapped in
         table[label](ids[:, : args.warmup_tokens or ids.shape[1]], 2)
@@ -265,7 +279,8 @@ def main() -> None:
         s = summary[method]
         print(
             f"{method:16s} TTFT ours/kvpress {s['ttft_ours']:.3f}/{s['ttft_kvpress']:.3f} s x{s['ttft_ratio']:.3f}"
-            f"  within x{s['ttft_within']:.3f} ({s['ttft_ours_lower']}/{s['repeats']} lower)"
+            f"  within x{s['ttft_within']:.3f} ({s['ttft_ours_lower']}/{s['repeats']} lower,"
+            f" mean x{s['ttft_within_mean']:.4f} +- {s['ttft_within_standard_error']:.4f})"
             f"  compression {s['compression_ours']:.3f}/{s['compression_kvpress']:.3f}  rest x{s['rest_within']:.3f}"
             f"  decode x{s['decode_ms_within']:.3f}  first different token {s['first_difference']}"
         )
