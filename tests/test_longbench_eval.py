@@ -4,6 +4,7 @@ resumed by the sweep runner, scores equal to ``score_samples``, clean errors."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -144,8 +145,9 @@ def test_truncation_by_a_tokenizer_whose_decoding_alters_text(tiny_tokenizer) ->
 
 
 def test_chat_template_where_thudm_applies_one(tiny_tokenizer) -> None:
-    """hotpotqa is templated (the template wraps its head and tail); lcc is raw, with the tokenizer's own special
-    tokens; without a template every dataset is raw."""
+    """hotpotqa is templated (the template wraps its head and tail, no special tokens added); lcc is raw, with the
+    tokenizer's own special tokens; without a template every dataset is raw. Each time the two parts join into the
+    whole prompt tokenized in one call."""
     chat = copy.deepcopy(tiny_tokenizer)
     chat.chat_template = (
         "{% for m in messages %}<s>[U]{{ m['content'] }}[/U]{% endfor %}{% if add_generation_prompt %}[A]{% endif %}"
@@ -153,18 +155,35 @@ def test_chat_template_where_thudm_applies_one(tiny_tokenizer) -> None:
     sample = _sample("hotpotqa")
     head, tail = prompt_parts(sample)
     prefix_ids, suffix_ids = longbench_run.encode_sample(chat, sample, 3500)
-    assert prefix_ids == chat("<s>[U]" + head, add_special_tokens=False)["input_ids"]
-    assert suffix_ids == chat(tail + "[/U][A]", add_special_tokens=False)["input_ids"]
+    assert prefix_ids + suffix_ids == chat("<s>[U]" + head + tail + "[/U][A]", add_special_tokens=False)["input_ids"]
+    assert chat.decode(prefix_ids) == "<s>[U]" + head and chat.decode(suffix_ids) == tail + "[/U][A]"
     raw = _sample("lcc")
-    raw_head, raw_tail = prompt_parts(raw)
-    assert longbench_run.encode_sample(chat, raw, 3500) == (
-        chat(raw_head)["input_ids"],
-        chat(raw_tail, add_special_tokens=False)["input_ids"],
-    )
-    assert longbench_run.encode_sample(tiny_tokenizer, sample, 3500) == (
-        tiny_tokenizer(head)["input_ids"],
-        tiny_tokenizer(tail, add_special_tokens=False)["input_ids"],
-    )
+    prefix_ids, suffix_ids = longbench_run.encode_sample(chat, raw, 3500)
+    assert prefix_ids + suffix_ids == chat(build_prompt(raw))["input_ids"]
+    prefix_ids, suffix_ids = longbench_run.encode_sample(tiny_tokenizer, sample, 3500)
+    assert prefix_ids + suffix_ids == tiny_tokenizer(build_prompt(sample))["input_ids"]
+    assert tiny_tokenizer.decode(suffix_ids) == tail
+
+
+def test_split_is_the_whole_prompt_cut_at_a_token_boundary(smollm2_tokenizer) -> None:
+    """lcc's template runs the context straight into "Next line of code": a context ending in a space makes the
+    whole prompt's token " Next" straddle the split, which the parts tokenized apart would cut into " " and "Next".
+    The ids are the whole prompt's, and the straddling token opens the question part."""
+    sample = dataclasses.replace(_sample("lcc"), context="x = 1\ny = ")
+    head, tail = prompt_parts(sample)
+    whole = smollm2_tokenizer(build_prompt(sample))["input_ids"]
+    apart = smollm2_tokenizer(head)["input_ids"] + smollm2_tokenizer(tail, add_special_tokens=False)["input_ids"]
+    assert apart != whole  # the case the split must handle
+    prefix_ids, suffix_ids = longbench_run.encode_sample(smollm2_tokenizer, sample, 3500)
+    assert prefix_ids + suffix_ids == whole
+    assert smollm2_tokenizer.decode(prefix_ids) == head.removesuffix(" ")
+    assert smollm2_tokenizer.convert_ids_to_tokens(suffix_ids[:1]) == ["ĠNext"]  # the space and the question's word
+
+
+def test_split_needs_a_fast_tokenizer(tiny_tokenizer, monkeypatch) -> None:
+    monkeypatch.setattr(type(tiny_tokenizer), "is_fast", property(lambda self: False))
+    with pytest.raises(CriticalKVError, match="LongBench needs a fast tokenizer"):
+        longbench_run.encode_sample(tiny_tokenizer, _sample("lcc"), 3500)
 
 
 def test_rows_scores_and_resume(data: Path, model_folder: Path, tmp_path: Path, monkeypatch) -> None:

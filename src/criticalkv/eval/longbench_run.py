@@ -26,7 +26,15 @@ from criticalkv.eval.longbench import (
 )
 from criticalkv.eval.needle import chat_split
 
-__all__ = ["LongBenchItem", "encode_sample", "longbench_items", "read_datasets", "score_item", "truncated_parts"]
+__all__ = [
+    "LongBenchItem",
+    "encode_sample",
+    "longbench_items",
+    "read_datasets",
+    "score_item",
+    "split_prompt_ids",
+    "truncated_parts",
+]
 
 
 @dataclass(frozen=True)
@@ -120,15 +128,39 @@ def encode_sample(
     tokenizer: PreTrainedTokenizerBase, sample: LongBenchSample, max_length: int
 ) -> tuple[list[int], list[int]]:
     """(context ids, question ids) of THUDM's prompt for ``sample``: truncated, then chat-templated where THUDM
-    templates it (``uses_chat_template``, and the tokenizer has a template); their concatenation is the whole
-    prompt, up to the token boundary at the split."""
+    templates it (``uses_chat_template``, and the tokenizer has a template).
+
+    Their concatenation is exactly the tokenization of the whole prompt in one call, as THUDM's ``pred.py`` feeds
+    it (``split_prompt_ids``); the split falls at the token boundary before the question part.
+    """
     head, tail = truncated_parts(tokenizer, sample, max_length)
     templated = uses_chat_template(sample.dataset) and bool(getattr(tokenizer, "chat_template", None))
     if templated:
         head, tail = chat_split(tokenizer, head, tail)
     # a raw prompt gets the tokenizer's special tokens (BOS) as in THUDM's pred.py; a template writes its own
-    prefix_ids = tokenizer(head, add_special_tokens=not templated)["input_ids"]
-    return prefix_ids, tokenizer(tail, add_special_tokens=False)["input_ids"]
+    return split_prompt_ids(tokenizer, head, tail, add_special_tokens=not templated)
+
+
+def split_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, head: str, tail: str, add_special_tokens: bool
+) -> tuple[list[int], list[int]]:
+    """The ids of ``head + tail`` tokenized in one call, split before the first token whose text reaches into
+    ``tail``: a token straddling the boundary belongs to the tail part (the question, never compressed).
+
+    Raises ``CriticalKVError`` for a tokenizer that gives no character offsets (not a fast tokenizer).
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise CriticalKVError(
+            f"LongBench needs a fast tokenizer (character offsets place the split before the question); "
+            f"{type(tokenizer).__name__} is not one"
+        )
+    encoding = tokenizer(head + tail, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    ids, offsets = encoding["input_ids"], encoding.get("offset_mapping")
+    if offsets is None or len(offsets) != len(ids):
+        raise CriticalKVError(f"{type(tokenizer).__name__} gave no character offsets; cannot split the prompt")
+    # offsets: (start, end) characters of each token in head + tail; special tokens added around it are (0, 0)
+    cut = next((i for i, (_, end) in enumerate(offsets) if end > len(head)), len(ids))
+    return ids[:cut], ids[cut:]
 
 
 def longbench_items(
