@@ -251,6 +251,49 @@ def test_full_budget_answers_as_the_uncompressed_model(data: Path, model_folder:
     assert all(r.prompt_tokens == prompt.shape[1] and r.kept_fraction == 1.0 for r in rows)
 
 
+@pytest.fixture(scope="module")
+def line_break_folder(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A Llama whose next token depends on the last token alone (attention and MLP outputs zero, so the last hidden
+    state is its embedding): after any token but a line break the line break is far ahead; after it, never."""
+    folder = tmp_path_factory.mktemp("line-break-llama")
+    save_random_llama(folder, tiny_tokenizer, hidden_size=64, intermediate_size=128, num_hidden_layers=1)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    newline = tiny_tokenizer.encode("\n", add_special_tokens=False)[-1]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embeddings = model.model.embed_tokens.weight  # (vocab, hidden)
+        embeddings[:, 0] = 10.0
+        embeddings[newline, 0] = -10.0
+        model.lm_head.weight[newline, 0] = 10.0  # the line break's logit: about +-80, against ~1 for the others
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_samsum_stops_at_the_first_line_break(line_break_folder: Path, tmp_path: Path) -> None:
+    """samsum answers as THUDM's pred.py generates it: stopping at the end-of-sequence token or the line break,
+    neither allowed as the first token; without the line-break stop the answer would go on past it."""
+    file = _write(tmp_path / "samsum.jsonl", [_record("samsum", 0)])
+    out = tmp_path / "out"
+    args = [str(file), "--model", str(line_break_folder), "--device", "cpu", "--methods", "snapkv", "--budgets", "1.0"]
+    code, output = _invoke([*args, "--out", str(out)])
+    assert code == 0, output
+    tokenizer = AutoTokenizer.from_pretrained(line_break_folder)
+    model = AutoModelForCausalLM.from_pretrained(line_break_folder, dtype=torch.float32).eval()
+    prompt = tokenizer(build_prompt(_sample("samsum")), return_tensors="pt")["input_ids"]  # (1, t)
+    eos, newline = tokenizer.eos_token_id, tokenizer.encode("\n", add_special_tokens=False)[-1]
+    thudm = {"max_new_tokens": 128, "do_sample": False, "pad_token_id": eos}
+    stops = {"eos_token_id": [eos, newline], "min_length": prompt.shape[1] + 1}
+    new = model.generate(prompt, **thudm, **stops)[0, prompt.shape[1] :].tolist()
+    assert len(new) == 2 and new[1] == newline  # one token, then the line break
+    reference = tokenizer.decode(new, skip_special_tokens=True).strip()
+    rows = load_rows(out / "results.jsonl")
+    assert [(r.method, r.prediction) for r in rows] == [("full", reference), ("snapkv", reference)]
+    unstopped = model.generate(prompt, **thudm, eos_token_id=eos)[0, prompt.shape[1] :].tolist()
+    assert tokenizer.decode(unstopped, skip_special_tokens=True).strip() != reference
+
+
 def test_cli_errors(data: Path, model_folder: Path, tmp_path: Path, monkeypatch) -> None:
     def sweep(*args, **kwargs):
         raise AssertionError("the sweep started")

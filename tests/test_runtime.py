@@ -544,6 +544,31 @@ def test_session_full_matches_plain_generate():
     assert torch.equal(session.ask(question, NEW).tokens, answer)
 
 
+def test_stop_tokens_after_a_minimum_answer_as_generate():
+    """``ask`` with stop ids and ``min_new_tokens=1`` answers as transformers' ``generate`` with the same
+    ``eos_token_id`` and ``min_new_tokens``: the first token cannot be a stop id (here the one greedy would pick),
+    and the answer ends at its first stop id, which it includes."""
+    model = _model("llama")
+    context, question = _ids(30, seed=33), _ids(4, seed=34)
+    prompt = torch.cat([context, question], 1)  # (1, 34)
+    session = ContextSession(model, "full")
+    session.prefill(context)
+    greedy_first = int(session.ask(question, 1).tokens[0, 0])
+
+    def generate(stops: list[int]) -> list[int]:
+        out = model.generate(prompt, max_new_tokens=NEW, min_new_tokens=1, eos_token_id=stops, do_sample=False)
+        return out[0, prompt.shape[1] :].tolist()
+
+    barred = generate([greedy_first])  # the first token is another one
+    assert barred[0] != greedy_first and barred[1] != barred[0]
+    stops = [greedy_first, barred[1]]  # barred[1] ends the answer at its second token
+    reference = generate(stops)
+    assert reference == barred[:2]
+    answer = session.ask(question, NEW, eos_token_id=stops, min_new_tokens=1).tokens
+    assert answer.tolist() == [reference]
+    assert session.ask(question, NEW, eos_token_id=stops).tokens.tolist() == [[greedy_first]]  # no minimum
+
+
 def test_session_budget_one_keeps_everything():
     model = _model("llama")
     context = _ids(30, seed=32)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -292,6 +293,7 @@ def longbench(
                 "dtype": dtype,
             },
             encode=lambda item: (item.prefix_ids, item.suffix_ids),
+            stop=partial(longbench_run.stop_rule, tokenizer),
         )
     except CriticalKVError as error:
         _fail(error)

@@ -9,8 +9,9 @@ identical to THUDM's. Scoring follows THUDM's ``eval.py``: the metric of the dat
 the gold answers, only the first line of the prediction for trec / triviaqa / samsum, mean x 100.
 
 THUDM's ``pred.py`` also (1) applies no chat template on trec, triviaqa, samsum, lsht, lcc and
-repobench-p (``uses_chat_template``) and (2) truncates over-long prompts in the middle
-(``truncate_middle``).
+repobench-p (``uses_chat_template``), (2) truncates over-long prompts in the middle
+(``truncate_middle``) and (3) ends samsum's answers at a line break too, after at least one new token
+(``NEWLINE_STOP_DATASETS``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "DATASET2PROMPT",
     "DATASETS",
     "FIRST_LINE_DATASETS",
+    "NEWLINE_STOP_DATASETS",
     "LongBenchSample",
     "build_prompt",
     "dataset_key",
@@ -146,6 +148,9 @@ DATASET2METRIC: dict[str, Metric] = {
 }  # fmt: skip
 
 FIRST_LINE_DATASETS = frozenset({"trec", "triviaqa", "samsum", "lsht"})  # scored on the first line only
+# pred.py generates these with eos_token_id=[eos, last token of "\n"] and min_length=prompt length + 1: the answer
+# ends at its first line break, which cannot be its first token
+NEWLINE_STOP_DATASETS = frozenset({"samsum"})
 _NO_CHAT_DATASETS = frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"})
 _FIELDS: dict[str, type | tuple[type, ...]] = {
     "input": str,

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.longbench import (
     DATASETS,
+    NEWLINE_STOP_DATASETS,
     LongBenchSample,
     dataset_key,
     load_longbench,
@@ -25,6 +26,7 @@ from criticalkv.eval.longbench import (
     uses_chat_template,
 )
 from criticalkv.eval.needle import chat_split
+from criticalkv.eval.sweep import StopRule
 
 __all__ = [
     "LongBenchItem",
@@ -33,6 +35,7 @@ __all__ = [
     "read_datasets",
     "score_item",
     "split_prompt_ids",
+    "stop_rule",
     "truncated_parts",
 ]
 
@@ -172,6 +175,16 @@ def longbench_items(
         for dataset, samples in groups.items()
         for index, sample in enumerate(samples[:limit] if limit else samples)
     ]
+
+
+def stop_rule(tokenizer: PreTrainedTokenizerBase, item: LongBenchItem) -> StopRule:
+    """Where THUDM's ``pred.py`` ends the sample's answer: at the tokenizer's end-of-sequence token; on samsum
+    (``NEWLINE_STOP_DATASETS``) also at the last token of "\\n", not as the first new token."""
+    if dataset_key(item.sample.dataset) not in NEWLINE_STOP_DATASETS:
+        return StopRule(tokenizer.eos_token_id)
+    newline = tokenizer.encode("\n", add_special_tokens=False)[-1]
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return StopRule([*eos, newline], min_new_tokens=1)
 
 
 def score_item(item: LongBenchItem, prediction: str) -> float:

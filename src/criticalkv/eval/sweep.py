@@ -50,6 +50,15 @@ class ChatSample(Sample, Protocol):
 Encoder = Callable[[Sample], tuple[list[int], list[int]]]  # sample -> (context ids, question ids)
 
 
+@dataclass(frozen=True)
+class StopRule:
+    """Where a sample's greedy answer ends: at its first token of ``token_ids`` (None: at none), which the first
+    ``min_new_tokens`` tokens cannot be (``ContextSession.ask``)."""
+
+    token_ids: int | list[int] | None
+    min_new_tokens: int = 0
+
+
 @dataclass
 class Row:
     """One answer of one (method, budget) pair to one sample."""
@@ -84,6 +93,7 @@ def run_sweep(
     batch_answers: bool = False,
     settings: dict | None = None,
     encode: Encoder | None = None,
+    stop: Callable[[Sample], StopRule] | None = None,
 ) -> list[Row]:
     """Answer every sample with the full cache and every (method, budget) pair; append rows to results.jsonl.
 
@@ -101,6 +111,8 @@ def run_sweep(
 
     ``encode`` gives a sample's prompt as (context ids, question ids): the question-agnostic regime prefills the
     first alone, the question-aware one both. By default it is ``encode_prompt`` on a ``ChatSample``'s fields.
+
+    ``stop`` gives a sample's ``StopRule``; by default every answer ends at the tokenizer's end-of-sequence token.
     """
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
@@ -125,6 +137,7 @@ def run_sweep(
     unrecorded = settings if layout.is_main and stored_settings(out_dir) is None else None  # until the first row
     rows: list[Row] = []
     encode = encode or partial(_chat_ids, tokenizer)
+    stop = stop or (lambda sample: StopRule(tokenizer.eos_token_id))
     if layout.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
     description = f"{regime} sweep, {len(pairs)} pairs"
@@ -137,7 +150,17 @@ def run_sweep(
                 continue
             ids = encode(sample)
             sample_rows = _answer(
-                model, tokenizer, sample, ids, score, todo, regime, max_new_tokens(sample), layout, batch_answers
+                model,
+                tokenizer,
+                sample,
+                ids,
+                score,
+                todo,
+                regime,
+                max_new_tokens(sample),
+                stop(sample),
+                layout,
+                batch_answers,
             )
             if unrecorded is not None:  # with the first row: a run that fails before leaves no settings
                 _record_settings(out_dir, unrecorded)
@@ -164,6 +187,7 @@ def _answer(
     pairs,
     regime: str,
     max_new_tokens: int,
+    stop: StopRule,
     layout: ParallelLayout,
     batch_answers: bool,
 ) -> list[Row]:
@@ -180,7 +204,9 @@ def _answer(
     for group in _answer_groups([label for label, _, _ in pairs], batch_answers):
         session = sessions[group[0]] if len(group) == 1 else ContextSession.stacked([sessions[g] for g in group])
         question = None if regime == "aware" else torch.tensor([suffix_ids], device=device).expand(len(group), -1)
-        generation = session.ask(question, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+        generation = session.ask(
+            question, max_new_tokens=max_new_tokens, eos_token_id=stop.token_ids, min_new_tokens=stop.min_new_tokens
+        )
         for label, tokens in zip(group, generation.tokens, strict=True):
             texts[label] = tokenizer.decode(tokens, skip_special_tokens=True).strip()
             batched[label] = len(group) > 1

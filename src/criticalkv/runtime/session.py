@@ -130,10 +130,13 @@ class ContextSession:
         max_new_tokens: int = 32,
         eos_token_id: int | list[int] | None = None,
         question_mask: torch.Tensor | None = None,
+        min_new_tokens: int = 0,
     ) -> Generation:
         """Greedy answer to question_ids (b, q) appended to the context (None: answer the prefilled prompt).
 
-        The cache is trimmed back to the context afterwards, so the next question sees the same context.
+        A row ends at its first token of ``eos_token_id``; the first ``min_new_tokens`` tokens are never one of
+        them (their logits are -inf there, as under transformers' ``min_new_tokens`` / ``min_length``). The cache
+        is trimmed back to the context afterwards, so the next question sees the same context.
         """
         if self.cache is None:
             raise RuntimeError("call prefill(context) first")
@@ -151,6 +154,8 @@ class ContextSession:
         done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
         full_mask = self.mask_with_pending
         for step in range(max_new_tokens):
+            if step < min_new_tokens and eos.numel():
+                logits = logits.index_fill(-1, eos, float("-inf"))  # (b, vocab), a copy: no stop token yet
             token = logits.argmax(-1)  # (b,)
             if eos.numel():
                 token = torch.where(done, eos[0], token)  # finished rows repeat their end-of-sequence token
