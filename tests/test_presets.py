@@ -22,6 +22,7 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
@@ -259,6 +260,7 @@ FAMILY_CONFIGS = [
     MistralConfig(**TINY),
     Qwen2Config(**TINY),
     Qwen3Config(**TINY, head_dim=32),
+    Qwen3MoeConfig(**TINY, head_dim=32, num_experts=4, num_experts_per_tok=2),
     Gemma3TextConfig(**TINY, head_dim=32),
     Phi3Config(**TINY),
 ]
@@ -268,12 +270,12 @@ FAMILY_CONFIGS = [
 def test_supported_families(config) -> None:
     assert check_supported(config) == config.model_type
     assert text_config(config) is config
-    expected = 32 if config.model_type in ("qwen3", "gemma3_text") else 16  # set, else 64 // 4
+    expected = 32 if config.model_type in ("qwen3", "qwen3_moe", "gemma3_text") else 16  # set, else 64 // 4
     assert head_dim(config) == expected
 
 
 def test_every_family_is_covered() -> None:
-    assert tuple(SUPPORTED_FAMILIES) == ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+    assert tuple(SUPPORTED_FAMILIES) == ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "phi3")
     assert {c.model_type for c in FAMILY_CONFIGS} == set(SUPPORTED_FAMILIES)
 
 

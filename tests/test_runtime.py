@@ -22,6 +22,7 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -62,6 +63,9 @@ FAMILIES = {
     "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),
     "qwen2": lambda: Qwen2Config(**_COMMON),  # no head_dim field: d = hidden / heads
     "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=16),
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    ),
     "gemma3": lambda: Gemma3TextConfig(
         **_COMMON, head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"]
     ),
@@ -242,7 +246,7 @@ def _streaming_dense_reference(model, ids, keep_positions, n=NEW):
     return logits.argmax(-1), logits
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3"])
 def test_streaming_equals_masked_dense_reference(family, capture_decisions):
     model = _model(family)
     t, budget = 40, 0.3
@@ -273,6 +277,7 @@ def test_streaming_equals_masked_dense_reference(family, capture_decisions):
         ("mistral", "sdpa", "critical-snapkv"),
         ("qwen2", "sdpa", "critical-snapkv"),
         ("qwen3", "sdpa", "critical-snapkv"),
+        ("qwen3_moe", "sdpa", "critical-snapkv"),
         ("gemma3", "sdpa", "critical-snapkv"),
         ("phi3", "sdpa", "critical-snapkv"),
         ("phi3_long_window", "sdpa", "critical-snapkv"),
@@ -360,6 +365,7 @@ def _left_padded(rows: list[torch.Tensor]):
         ("llama", "sdpa", "critical-snapkv", 0.4),
         ("llama", "eager", "critical-snapkv", 0.4),
         ("qwen3", "sdpa", "snapkv", 0.4),
+        ("qwen3_moe", "sdpa", "critical-snapkv", 0.4),  # each token routed alone: padding changes nothing
         ("phi3", "sdpa", "streaming", 0.4),
         ("phi3_long_window", "eager", "critical-snapkv", 0.4),
         ("gemma3", "sdpa", "critical-snapkv", 0.4),

@@ -19,6 +19,7 @@ SUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
         "mistral": "Mistral",
         "qwen2": "Qwen2 / Qwen2.5",
         "qwen3": "Qwen3",
+        "qwen3_moe": "Qwen3-MoE",
         "gemma3_text": "Gemma 3 (text-only)",
         "phi3": "Phi-3",
     }
