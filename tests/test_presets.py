@@ -23,6 +23,7 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
+    SmolLM3Config,
 )
 
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
@@ -263,6 +264,7 @@ FAMILY_CONFIGS = [
     Qwen3MoeConfig(**TINY, head_dim=32, num_experts=4, num_experts_per_tok=2),
     Gemma3TextConfig(**TINY, head_dim=32),
     Phi3Config(**TINY),
+    SmolLM3Config(**TINY),
 ]
 
 
@@ -275,7 +277,16 @@ def test_supported_families(config) -> None:
 
 
 def test_every_family_is_covered() -> None:
-    assert tuple(SUPPORTED_FAMILIES) == ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "phi3")
+    assert tuple(SUPPORTED_FAMILIES) == (
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "gemma3_text",
+        "phi3",
+        "smollm3",
+    )
     assert {c.model_type for c in FAMILY_CONFIGS} == set(SUPPORTED_FAMILIES)
 
 

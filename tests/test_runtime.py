@@ -23,6 +23,7 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
+    SmolLM3Config,
 )
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -72,6 +73,11 @@ FAMILIES = {
     "phi3": lambda: Phi3Config(**_COMMON),
     # Phi-3's 128k checkpoints declare a sliding window (262144) longer than their positions (131072): full attention
     "phi3_long_window": lambda: Phi3Config(**_COMMON, sliding_window=512),
+    "smollm3": lambda: SmolLM3Config(**_COMMON, no_rope_layers=[1, 0]),  # layer 1 without RoPE
+    # SmolLM3 with its window on: the layers without RoPE are the sliding ones
+    "smollm3_sliding": lambda: SmolLM3Config(
+        **_COMMON, no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=6
+    ),
 }
 
 
@@ -246,7 +252,7 @@ def _streaming_dense_reference(model, ids, keep_positions, n=NEW):
     return logits.argmax(-1), logits
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "smollm3"])
 def test_streaming_equals_masked_dense_reference(family, capture_decisions):
     model = _model(family)
     t, budget = 40, 0.3
@@ -281,6 +287,8 @@ def test_streaming_equals_masked_dense_reference(family, capture_decisions):
         ("gemma3", "sdpa", "critical-snapkv"),
         ("phi3", "sdpa", "critical-snapkv"),
         ("phi3_long_window", "sdpa", "critical-snapkv"),
+        ("smollm3", "sdpa", "critical-snapkv"),
+        ("smollm3_sliding", "sdpa", "critical-snapkv"),
         ("llama", "sdpa", "snapkv"),
         ("qwen2", "sdpa", "critical-tova"),
         ("llama", "sdpa", "knorm"),

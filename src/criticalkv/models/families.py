@@ -22,6 +22,7 @@ SUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
         "qwen3_moe": "Qwen3-MoE",
         "gemma3_text": "Gemma 3 (text-only)",
         "phi3": "Phi-3",
+        "smollm3": "SmolLM3",
     }
 )
 
