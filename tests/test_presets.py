@@ -19,6 +19,7 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
+    Olmo2Config,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
@@ -265,6 +266,7 @@ FAMILY_CONFIGS = [
     Gemma3TextConfig(**TINY, head_dim=32),
     Phi3Config(**TINY),
     SmolLM3Config(**TINY),
+    Olmo2Config(**TINY),
 ]
 
 
@@ -286,6 +288,7 @@ def test_every_family_is_covered() -> None:
         "gemma3_text",
         "phi3",
         "smollm3",
+        "olmo2",
     )
     assert {c.model_type for c in FAMILY_CONFIGS} == set(SUPPORTED_FAMILIES)
 

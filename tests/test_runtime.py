@@ -19,6 +19,7 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
@@ -78,6 +79,7 @@ FAMILIES = {
     "smollm3_sliding": lambda: SmolLM3Config(
         **_COMMON, no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=6
     ),
+    "olmo2": lambda: Olmo2Config(**_COMMON),  # q/k norms over the whole projection, before the heads split
 }
 
 
@@ -252,7 +254,7 @@ def _streaming_dense_reference(model, ids, keep_positions, n=NEW):
     return logits.argmax(-1), logits
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "smollm3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "smollm3", "olmo2"])
 def test_streaming_equals_masked_dense_reference(family, capture_decisions):
     model = _model(family)
     t, budget = 40, 0.3
@@ -289,6 +291,7 @@ def test_streaming_equals_masked_dense_reference(family, capture_decisions):
         ("phi3_long_window", "sdpa", "critical-snapkv"),
         ("smollm3", "sdpa", "critical-snapkv"),
         ("smollm3_sliding", "sdpa", "critical-snapkv"),
+        ("olmo2", "sdpa", "critical-snapkv"),
         ("llama", "sdpa", "snapkv"),
         ("qwen2", "sdpa", "critical-tova"),
         ("llama", "sdpa", "knorm"),

@@ -23,6 +23,7 @@ SUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
         "gemma3_text": "Gemma 3 (text-only)",
         "phi3": "Phi-3",
         "smollm3": "SmolLM3",
+        "olmo2": "OLMo 2",
     }
 )
 
