@@ -16,6 +16,7 @@ from transformers import (
     Gemma3Config,
     Gemma3TextConfig,
     GPT2Config,
+    GraniteConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -267,6 +268,7 @@ FAMILY_CONFIGS = [
     Phi3Config(**TINY),
     SmolLM3Config(**TINY),
     Olmo2Config(**TINY),
+    GraniteConfig(**TINY),
 ]
 
 
@@ -289,6 +291,7 @@ def test_every_family_is_covered() -> None:
         "phi3",
         "smollm3",
         "olmo2",
+        "granite",
     )
     assert {c.model_type for c in FAMILY_CONFIGS} == set(SUPPORTED_FAMILIES)
 

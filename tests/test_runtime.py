@@ -17,6 +17,7 @@ from transformers import (
     DynamicCache,
     Gemma3TextConfig,
     GPT2Config,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     Olmo2Config,
@@ -80,6 +81,7 @@ FAMILIES = {
         **_COMMON, no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=6
     ),
     "olmo2": lambda: Olmo2Config(**_COMMON),  # q/k norms over the whole projection, before the heads split
+    "granite": lambda: GraniteConfig(**_COMMON, attention_multiplier=0.125),  # the softmax scale, not 1/sqrt(16)
 }
 
 
@@ -190,7 +192,8 @@ def _keep_by_layer(calls):
 
 
 @pytest.mark.parametrize(
-    ("family", "attn"), [(f, "sdpa") for f in FAMILIES] + [("llama", "eager"), ("gemma3", "eager")]
+    ("family", "attn"),
+    [(f, "sdpa") for f in FAMILIES] + [("llama", "eager"), ("gemma3", "eager"), ("granite", "eager")],
 )
 def test_kept_whole_is_bit_identical(family, attn):
     model = _model(family, attn)
@@ -254,7 +257,9 @@ def _streaming_dense_reference(model, ids, keep_positions, n=NEW):
     return logits.argmax(-1), logits
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "smollm3", "olmo2"])
+@pytest.mark.parametrize(
+    "family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "smollm3", "olmo2", "granite"]
+)
 def test_streaming_equals_masked_dense_reference(family, capture_decisions):
     model = _model(family)
     t, budget = 40, 0.3
@@ -292,6 +297,8 @@ def test_streaming_equals_masked_dense_reference(family, capture_decisions):
         ("smollm3", "sdpa", "critical-snapkv"),
         ("smollm3_sliding", "sdpa", "critical-snapkv"),
         ("olmo2", "sdpa", "critical-snapkv"),
+        ("granite", "sdpa", "critical-snapkv"),
+        ("granite", "eager", "critical-snapkv"),
         ("llama", "sdpa", "snapkv"),
         ("qwen2", "sdpa", "critical-tova"),
         ("llama", "sdpa", "knorm"),
@@ -462,7 +469,7 @@ def test_beam_search_equals_masked_reference(capture_decisions):
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3", "granite"])
 def test_layer_view_is_the_layers_own_state(family, capture_decisions, monkeypatch):
     """Scorers see the layer's real head_dim, scaling and o_proj, and the keys/values the cache stored."""
     model = _model(family)

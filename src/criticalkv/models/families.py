@@ -24,6 +24,7 @@ SUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
         "phi3": "Phi-3",
         "smollm3": "SmolLM3",
         "olmo2": "OLMo 2",
+        "granite": "IBM Granite",
     }
 )
 
