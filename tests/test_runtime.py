@@ -106,6 +106,11 @@ def _ids(t: int, seed: int = 0, b: int = 1) -> torch.Tensor:
 
 
 def _generate(model, ids, mask=None, n=NEW):
+    return _generate_with_cache(model, ids, mask, n)[:2]
+
+
+def _generate_with_cache(model, ids, mask=None, n=NEW):
+    """Greedy ``n`` tokens: (b, n) ids, (b, n, vocab) logits, and the cache they were decoded from."""
     out = model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids) if mask is None else mask,
@@ -115,7 +120,7 @@ def _generate(model, ids, mask=None, n=NEW):
         output_logits=True,
         return_dict_in_generate=True,
     )
-    return out.sequences[:, ids.shape[1] :], torch.stack(out.logits, dim=1).float()  # (b, n), (b, n, vocab)
+    return out.sequences[:, ids.shape[1] :], torch.stack(out.logits, dim=1).float(), out.past_key_values
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from test_runtime import _generate, _keep_by_layer, _masked_reference
+from test_runtime import _generate_with_cache, _keep_by_layer, _masked_reference
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -44,9 +44,8 @@ def test_kv_bytes_are_kept_entries_at_4k(smollm2_folder, smollm2_tokenizer):
 def test_adakv_decoding_equals_masked_dense_cache(smollm2_folder, smollm2_tokenizer, capture_decisions):
     model = _load(smollm2_folder, torch.float32)
     ids, _ = _prompt(smollm2_tokenizer, 1024)
-    with criticalkv.compress(model, "critical-adakv", budget=0.2) as compressor:
-        tokens, logits = _generate(model, ids, n=8)
-        cache = compressor.active_cache
+    with criticalkv.compress(model, "critical-adakv", budget=0.2):
+        tokens, logits, cache = _generate_with_cache(model, ids, n=8)
     keep = _keep_by_layer(capture_decisions)
     assert len(keep) == 30 and any(len(set(k[0].sum(-1).tolist())) > 1 for k in keep.values())  # head-wise budgets
     ref_tokens, ref_logits = _masked_reference(model, ids, None, keep, ids.shape[1], n=8)
