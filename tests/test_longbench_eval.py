@@ -19,7 +19,7 @@ from criticalkv.cli import app
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval import longbench_run
 from criticalkv.eval.longbench import LongBenchSample, build_prompt, prompt_parts, score_samples, truncate_middle
-from criticalkv.eval.sweep import load_rows
+from criticalkv.eval.sweep import SETTINGS_FILE, load_rows
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 
@@ -229,6 +229,12 @@ def test_rows_scores_and_resume(data: Path, model_folder: Path, tmp_path: Path, 
     assert next(e for e in summary["rows"] if e["method"] == "full")["mean"] > 0
     report = (out / "report.md").read_text()
     assert report.startswith(f"# LongBench (max length 3500), {model_folder.name}, question-agnostic\n")
+
+    settings = json.loads((out / SETTINGS_FILE).read_text())  # a folder of the first protocol: no version key
+    del settings["protocol"]
+    (out / SETTINGS_FILE).write_text(json.dumps(settings))
+    code, output = _invoke([*args, "--samples", "3", "--out", str(out)])
+    assert code != 0 and "other settings" in output and "protocol" in output
 
 
 def test_full_budget_answers_as_the_uncompressed_model(data: Path, model_folder: Path, tmp_path: Path) -> None:

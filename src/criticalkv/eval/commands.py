@@ -286,6 +286,9 @@ def longbench(
             batch_answers=batch_answers,
             settings={
                 "benchmark": "longbench",
+                # 2: ids of the whole prompt, samsum ends at a line break; a folder of earlier runs lacks the key
+                # and is not resumed (its rows would mix with this protocol's)
+                "protocol": longbench_run.PROTOCOL,
                 "model": model,
                 "data": str(data.resolve()),
                 "max_length": max_length,

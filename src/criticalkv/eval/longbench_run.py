@@ -29,6 +29,7 @@ from criticalkv.eval.needle import chat_split
 from criticalkv.eval.sweep import StopRule
 
 __all__ = [
+    "PROTOCOL",
     "LongBenchItem",
     "encode_sample",
     "longbench_items",
@@ -38,6 +39,9 @@ __all__ = [
     "stop_rule",
     "truncated_parts",
 ]
+
+
+PROTOCOL = 2  # the version of THUDM's protocol this module follows, kept in a run's sweep.json (see commands)
 
 
 @dataclass(frozen=True)
