@@ -8,7 +8,8 @@ Writes ``{tag}_time.png`` (time to first token and decode time per token against
 ``{tag}_ratios.png`` (ours/kvpress per method, figure and length), where the runs recorded it ``{tag}_compression.png``
 (the prefill's CPU time spent compressing, and the rest of it, against context length) and, with ``--quality``,
 ``{tag}_quality.png`` (answer agreement and RULER scores); with ``--same-process`` (any number of reports),
-``{tag}_same_process.png`` (ours / kvpress within each repeat, time to first token and decode). ``--tables`` prints
+``{tag}_same_process.png`` (ours / kvpress within each repeat, time to first token and decode); with ``--pairs``
+(reports of prefills alone), ``{tag}_pairs.png`` (ours / kvpress of each pair, and their mean). ``--tables`` prints
 the Markdown tables of docs/benchmarks.md.
 """
 
@@ -409,11 +410,62 @@ def plot_same_process(reports: list[dict], title: str, path: Path) -> None:
     plt.close(fig)
 
 
+def pairs_table(reports: list[dict]) -> str:
+    """One row per (model, length, method) of same_process.py reports run with ``--no-control --decode-steps 0``:
+    the prefill pairs' ratios, and the ratio the compression times alone would give."""
+    lines = [
+        "| model | tokens | method | pairs | TTFT ours / kvpress (s) | ratio of medians | within each pair: mean "
+        "± standard error | median | ours lower | compression ours / kvpress (s) | from compression alone | "
+        "rest within |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for _, r, method in _same_process_cells(reports):
+        s = r["summary"][method]
+        alone = 1 - (s["compression_kvpress"] - s["compression_ours"]) / s["ttft_kvpress"]
+        lines.append(
+            f"| {r['model']} | {r['prompt_tokens']} | {method} | {s['repeats']} | {s['ttft_ours']:.3f} / "
+            f"{s['ttft_kvpress']:.3f} | {s['ttft_ratio']:.4f} | {s['ttft_within_mean']:.4f} ± "
+            f"{s['ttft_within_standard_error']:.4f} | {s['ttft_within']:.4f} | {s['ttft_ours_lower']} | "
+            f"{s['compression_ours']:.3f} / {s['compression_kvpress']:.3f} | {alone:.4f} | {s['rest_within']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_pairs(reports: list[dict], title: str, path: Path) -> None:
+    """Per cell: ours / kvpress of each prefill pair (left) and their mean with two standard errors (right)."""
+    cells = _same_process_cells(reports)
+    fig, (spread, mean) = plt.subplots(1, 2, figsize=(max(8.0, 2.2 * len(cells)), 4.2))
+    for x, (_, report, method) in enumerate(cells):
+        ratios = same_process_ratios(report, method, "ttft_cpu_seconds")
+        s = report["summary"][method]
+        spread.plot([x] * len(ratios), ratios, "o", color="tab:blue", alpha=0.25, markersize=3)
+        mean.errorbar(x, s["ttft_within_mean"], yerr=2 * s["ttft_within_standard_error"], fmt="o", color="black")
+        alone = 1 - (s["compression_kvpress"] - s["compression_ours"]) / s["ttft_kvpress"]
+        mean.hlines(alone, x - 0.25, x + 0.25, color="tab:green", label="from compression alone" if x == 0 else None)
+    for ax, name in ((spread, "each pair"), (mean, "mean ± 2 standard errors")):
+        ax.axhline(1.0, color="tab:red", linewidth=0.8, linestyle=":")
+        ax.set_xticks(range(len(cells)), [f"{r['model']}\n{r['prompt_tokens']}\n{m}" for _, r, m in cells], fontsize=7)
+        ax.set_title(name, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    spread.set_ylabel("time to first token, criticalkv / kvpress")
+    mean.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--speed", type=Path, help="a speed_memory.py report")
     parser.add_argument("--quality", type=Path, help="a quality_vs_kvpress.py report.json")
     parser.add_argument("--same-process", type=Path, nargs="+", help="same_process.py reports, drawn together")
+    parser.add_argument(
+        "--pairs",
+        type=Path,
+        nargs="+",
+        help="same_process.py reports of prefills alone (--no-control, --decode-steps 0)",
+    )
     parser.add_argument("--tag", default="smollm2", help="file name prefix, e.g. the model")
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="cpu", help="which times to draw")
     parser.add_argument("--out-dir", type=Path, default=Path("docs/img/benchmarks"))
@@ -467,6 +519,13 @@ def main() -> None:
         plot_same_process(reports, title, written[-1])
         if args.tables:
             print(same_process_table(reports), end="\n\n")
+    if args.pairs:
+        reports = [json.loads(path.read_text()) for path in args.pairs]
+        written.append(args.out_dir / f"{args.tag}_pairs.png")
+        title = f"Prefills alone, criticalkv / kvpress 0.5.5 in one process, budget {reports[0]['budget']}, CPU time"
+        plot_pairs(reports, title, written[-1])
+        if args.tables:
+            print(pairs_table(reports), end="\n\n")
     for path in written:
         print(f"wrote {path}")
 

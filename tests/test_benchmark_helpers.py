@@ -523,3 +523,24 @@ def test_same_process_table_and_ratios_read_each_repeat() -> None:
     assert table.count("\n") == 2  # header, rule, one row: the full control is a column, not a row
     row = "| m | 2048 | critical-adakv | 2 | 9.50 / 9.00 | 1.056 | 1.075, 1 of 2 | 9.00 | 0.500 / 1.000 |"
     assert row in table and table.endswith("| 30.0 / 60.0 | 0.500 | 0.200 | identical |")
+
+
+def test_pairs_table_reads_prefills_alone(tmp_path: Path) -> None:
+    """Reports without the control or decode steps: the within-pair mean and its standard error, and the ratio the
+    compression times alone would give (kvpress's median TTFT less the difference of the compression medians)."""
+    from plot_benchmarks import pairs_table, plot_pairs
+    from same_process import summarise as summarise_same
+
+    runs = []
+    for k, (ours, theirs) in enumerate([(9.0, 10.0), (10.0, 10.0), (11.0, 10.0)]):
+        runs.append(_same_process_run("ours:snapkv", k, ours, 0.1, math.nan))
+        runs.append(_same_process_run("kvpress:snapkv", k, theirs, 0.3, math.nan))
+    report = {"model": "m", "prompt_tokens": 2048, "budget": "0.2", "runs": runs}
+    report["summary"] = summarise_same(runs, ["snapkv"])
+    table = pairs_table([report])
+    se = statistics.stdev([0.9, 1.0, 1.1]) / 3**0.5
+    row = f"| m | 2048 | snapkv | 3 | 10.000 / 10.000 | 1.0000 | 1.0000 ± {se:.4f} | 1.0000 | 1 | 0.100 / 0.300 "
+    row += "| 0.9800 |"
+    assert table.count("\n") == 2 and row in table
+    plot_pairs([report], "pairs", tmp_path / "pairs.png")
+    assert (tmp_path / "pairs.png").stat().st_size > 0
