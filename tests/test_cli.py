@@ -144,6 +144,7 @@ def test_context_longer_than_the_model_refused_before_prefill(short_model, tmp_p
         (["eval", "needle", "--lengths", "512,abc"], "--lengths takes comma-separated ints, got '512,abc'"),
         (["eval", "needle", "--depths", "0,x"], "--depths takes comma-separated floats"),
         (["calibrate-heads", "--lengths", "1024,2k"], "--lengths takes comma-separated ints, got '1024,2k'"),
+        (["calibrate-heads", "--samples", "0"], "--samples must be >= 1, got 0"),
     ],
 )
 def test_missing_files_and_bad_numbers_refused(no_model, args, message):

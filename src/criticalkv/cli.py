@@ -307,6 +307,7 @@ def calibrate_heads(
 
     try:
         sizes = tuple(parse_numbers(lengths, int, "--lengths"))
+        at_least(samples, 1, "--samples")  # before minutes of model loading and calibration
         if out is not None:
             _writable(out)
         _, path = calibrate_preset(model, out, samples=samples, lengths=sizes, seed=seed, device=device)
