@@ -410,6 +410,12 @@ def plot_same_process(reports: list[dict], title: str, path: Path) -> None:
     plt.close(fig)
 
 
+def compression_alone(summary: dict) -> float:
+    """The ours / kvpress ratio of time to first token that the compression medians alone would give: kvpress's
+    median prefill less the difference of the two compression medians, over kvpress's."""
+    return 1 - (summary["compression_kvpress"] - summary["compression_ours"]) / summary["ttft_kvpress"]
+
+
 def pairs_table(reports: list[dict]) -> str:
     """One row per (model, length, method) of same_process.py reports run with ``--no-control --decode-steps 0``:
     the prefill pairs' ratios, and the ratio the compression times alone would give."""
@@ -421,12 +427,12 @@ def pairs_table(reports: list[dict]) -> str:
     ]
     for _, r, method in _same_process_cells(reports):
         s = r["summary"][method]
-        alone = 1 - (s["compression_kvpress"] - s["compression_ours"]) / s["ttft_kvpress"]
         lines.append(
             f"| {r['model']} | {r['prompt_tokens']} | {method} | {s['repeats']} | {s['ttft_ours']:.3f} / "
             f"{s['ttft_kvpress']:.3f} | {s['ttft_ratio']:.4f} | {s['ttft_within_mean']:.4f} ± "
             f"{s['ttft_within_standard_error']:.4f} | {s['ttft_within']:.4f} | {s['ttft_ours_lower']} | "
-            f"{s['compression_ours']:.3f} / {s['compression_kvpress']:.3f} | {alone:.4f} | {s['rest_within']:.4f} |"
+            f"{s['compression_ours']:.3f} / {s['compression_kvpress']:.3f} | {compression_alone(s):.4f} | "
+            f"{s['rest_within']:.4f} |"
         )
     return "\n".join(lines)
 
@@ -440,8 +446,8 @@ def plot_pairs(reports: list[dict], title: str, path: Path) -> None:
         s = report["summary"][method]
         spread.plot([x] * len(ratios), ratios, "o", color="tab:blue", alpha=0.25, markersize=3)
         mean.errorbar(x, s["ttft_within_mean"], yerr=2 * s["ttft_within_standard_error"], fmt="o", color="black")
-        alone = 1 - (s["compression_kvpress"] - s["compression_ours"]) / s["ttft_kvpress"]
-        mean.hlines(alone, x - 0.25, x + 0.25, color="tab:green", label="from compression alone" if x == 0 else None)
+        label = "from compression alone" if x == 0 else None
+        mean.hlines(compression_alone(s), x - 0.25, x + 0.25, color="tab:green", label=label)
     for ax, name in ((spread, "each pair"), (mean, "mean ± 2 standard errors")):
         ax.axhline(1.0, color="tab:red", linewidth=0.8, linestyle=":")
         ax.set_xticks(range(len(cells)), [f"{r['model']}\n{r['prompt_tokens']}\n{m}" for _, r, m in cells], fontsize=7)
