@@ -12,6 +12,7 @@ from torch import nn
 from criticalkv.budget import Budget
 from criticalkv.runtime.method import Method
 from criticalkv.scorers import KeyNormScorer, LayerView, SnapKVScorer, StreamingScorer, TOVAScorer
+from criticalkv.scorers.base import CPU_KEY_CHUNK, window_attention
 from criticalkv.selectors import CriticalSelector, TopKSelector
 
 
@@ -82,6 +83,22 @@ def test_snapkv_matches_naive_reference(groups, lengths, t, window):
     want_protected = torch.zeros_like(view.valid)
     want_protected[:, t - window :] = True
     assert torch.equal(protected, want_protected & view.valid)
+
+
+def test_window_attention_over_many_keys_is_one_product_and_softmax_to_the_bit():
+    """On a CPU the window's logits come 512 keys at a time and the softmax is written over them: the same values
+    as one product of every key and a fresh softmax, and the naive causal attention's window rows to rounding."""
+    t, w, g = 2 * CPU_KEY_CHUNK + 77, 8, 3  # two whole key blocks and a part
+    view = _view([t, t - 63], t, groups=g, d=16, seed=5, scale=2.0)
+    b, h_kv, _, d = view.keys.shape
+    got = window_attention(view, w)  # (b, h_kv, G, w, t)
+    q = view.query[:, :, -w:].float().reshape(b, h_kv, g * w, d) * view.scaling
+    logits = (q @ view.keys.float().transpose(-1, -2)).view(b, h_kv, g, w, t)
+    logits[..., t - w :] = logits[..., t - w :].masked_fill(torch.ones(w, w, dtype=torch.bool).triu(1), -math.inf)
+    logits = logits.masked_fill(~view.valid[:, None, None, None, :], -math.inf)
+    assert torch.equal(got, torch.softmax(logits, dim=-1))
+    naive = _naive_attention(view)[:, :, t - w :].reshape(b, h_kv, g, w, t)
+    torch.testing.assert_close(got, naive, rtol=1e-5, atol=1e-8)
 
 
 def test_snapkv_kernel_option():
