@@ -6,13 +6,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import save_random_llama
 from tokenizers import Tokenizer, normalizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
 from criticalkv.cli import app
@@ -319,3 +320,29 @@ def test_cli_errors(data: Path, model_folder: Path, tmp_path: Path, monkeypatch)
         code, output = _invoke([*args, *model])
         assert code == 2 and "error:" in output and message in output, output
     assert not (tmp_path / "out").exists()
+
+
+def test_other_datasets_stop_at_the_models_end_of_sequence_tokens(line_break_folder: Path, tmp_path: Path) -> None:
+    """Outside samsum THUDM's pred.py calls ``generate`` with the model's defaults, so the answer ends at any token of
+    the model's ``generation_config.eos_token_id``: here a list holding the line break, which the tokenizer's
+    end-of-sequence token alone would run past."""
+    folder = tmp_path / "model"
+    shutil.copytree(line_break_folder, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    eos, newline = tokenizer.eos_token_id, tokenizer.encode("\n", add_special_tokens=False)[-1]
+    config = GenerationConfig.from_pretrained(folder)
+    config.eos_token_id = [eos, newline]
+    config.save_pretrained(folder)
+    file = _write(tmp_path / "hotpotqa.jsonl", [_record("hotpotqa", 0)])
+    out = tmp_path / "out"
+    args = [str(file), "--model", str(folder), "--device", "cpu", "--methods", "snapkv", "--budgets", "1.0"]
+    code, output = _invoke([*args, "--out", str(out)])
+    assert code == 0, output
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = tokenizer(build_prompt(_sample("hotpotqa")), return_tensors="pt")["input_ids"]  # (1, t)
+    new = model.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=eos)[0, prompt.shape[1] :].tolist()
+    assert new == [newline]  # the model's default stop: the line break, at once
+    past = model.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    assert len(past[0]) - prompt.shape[1] > 1  # the tokenizer's token alone does not stop there
+    rows = load_rows(out / "results.jsonl")
+    assert [(r.method, r.prediction) for r in rows] == [("full", ""), ("snapkv", "")]

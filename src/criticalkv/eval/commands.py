@@ -286,8 +286,8 @@ def longbench(
             batch_answers=batch_answers,
             settings={
                 "benchmark": "longbench",
-                # 2: ids of the whole prompt, samsum ends at a line break; a folder of earlier runs lacks the key
-                # and is not resumed (its rows would mix with this protocol's)
+                # 2: ids of the whole prompt, samsum ends at a line break; 3: other datasets end at the model's
+                # end-of-sequence tokens; a folder of another protocol is not resumed (its rows would mix with these)
                 "protocol": longbench_run.PROTOCOL,
                 "model": model,
                 "data": str(data.resolve()),
@@ -296,7 +296,7 @@ def longbench(
                 "dtype": dtype,
             },
             encode=lambda item: (item.prefix_ids, item.suffix_ids),
-            stop=partial(longbench_run.stop_rule, tokenizer),
+            stop=partial(longbench_run.stop_rule, tokenizer, loaded.generation_config.eos_token_id),
         )
     except CriticalKVError as error:
         _fail(error)

@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 
-PROTOCOL = 2  # the version of THUDM's protocol this module follows, kept in a run's sweep.json (see commands)
+PROTOCOL = 3  # the version of THUDM's protocol this module follows, kept in a run's sweep.json (see commands)
 
 
 @dataclass(frozen=True)
@@ -181,11 +181,13 @@ def longbench_items(
     ]
 
 
-def stop_rule(tokenizer: PreTrainedTokenizerBase, item: LongBenchItem) -> StopRule:
-    """Where THUDM's ``pred.py`` ends the sample's answer: at the tokenizer's end-of-sequence token; on samsum
-    (``NEWLINE_STOP_DATASETS``) also at the last token of "\\n", not as the first new token."""
+def stop_rule(tokenizer: PreTrainedTokenizerBase, model_eos: int | list[int] | None, item: LongBenchItem) -> StopRule:
+    """Where THUDM's ``pred.py`` ends the sample's answer: at the model's end-of-sequence tokens (``model_eos``, its
+    ``generation_config.eos_token_id``, which ``generate`` stops at by default; a list on some chat models); on samsum
+    (``NEWLINE_STOP_DATASETS``) at the tokenizer's end-of-sequence token or the last token of "\\n", neither as the
+    first new token."""
     if dataset_key(item.sample.dataset) not in NEWLINE_STOP_DATASETS:
-        return StopRule(tokenizer.eos_token_id)
+        return StopRule(model_eos)
     newline = tokenizer.encode("\n", add_special_tokens=False)[-1]
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     return StopRule([*eos, newline], min_new_tokens=1)
