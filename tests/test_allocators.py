@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from criticalkv.allocators import (
     HeadKVAllocator,
     HeadProfile,
     HeadProfileError,
+    HeadProfileWarning,
     PyramidAllocator,
     calibrate_head_profile,
     load_profile,
@@ -327,20 +329,39 @@ def test_profile_json_round_trip(tmp_path):
 
 def test_load_profile_finds_shipped_and_user_profiles(tmp_path, monkeypatch):
     monkeypatch.setattr(head_profile_module, "user_profile_dir", lambda: tmp_path)
-    smollm2 = _config(layers=30, heads=9, kv_heads=3, hidden=576, head_dim=64)
+    smollm2 = _config(layers=30, heads=9, kv_heads=3, hidden=576, head_dim=64, name_or_path="models/smollm2-135m")
     shipped = load_profile(smollm2)
     assert shipped.name == "smollm2-135m" and shipped.matrix.shape == (30, 3)
     assert shipped.measurement["samples"] >= 1 and "date" in shipped.measurement
-    tiny = _config(layers=2, heads=4, kv_heads=2)
+    tiny = _config(layers=2, heads=4, kv_heads=2, name_or_path="test")
     with pytest.raises(HeadProfileError, match="calibrate-heads"):
         load_profile(tiny)
     _profile(tiny).save(tmp_path / "tiny.json")  # a user-calibrated profile is found next time
     assert load_profile(tiny).name == "test"
 
 
+def test_load_profile_prefers_the_models_own_and_warns_when_only_the_shape_matches(tmp_path, monkeypatch):
+    """A profile named after the model's folder wins over one of the same shape found first (the user's own come
+    before the shipped ones); a profile found by shape alone is used with a HeadProfileWarning naming both."""
+    monkeypatch.setattr(head_profile_module, "user_profile_dir", lambda: tmp_path)
+    smollm2 = _config(layers=30, heads=9, kv_heads=3, hidden=576, head_dim=64)
+    mine = _profile(smollm2)
+    mine.name = "my-finetune"
+    mine.save(tmp_path / "my-finetune.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        smollm2.name_or_path = "/models/smollm2-135m"  # the preset's converted folder
+        assert load_profile(smollm2).name == "smollm2-135m"
+        smollm2.name_or_path = "/data/my-finetune"
+        assert load_profile(smollm2).name == "my-finetune"
+    smollm2.name_or_path = "/data/another-finetune"
+    with pytest.warns(HeadProfileWarning, match="'another-finetune'; using 'my-finetune'.*calibrate-heads"):
+        assert load_profile(smollm2).name == "my-finetune"
+
+
 def test_a_ragged_profile_file_is_a_clear_error_and_hides_no_other(tmp_path, monkeypatch):
     monkeypatch.setattr(head_profile_module, "user_profile_dir", lambda: tmp_path)
-    tiny = _config(layers=2, heads=4, kv_heads=2)
+    tiny = _config(layers=2, heads=4, kv_heads=2, name_or_path="test")
     data = _profile(tiny).to_dict()
     data["importance"] = [[1.0, 2.0], [3.0]]  # a hand-edited file with a short row
     (tmp_path / "a-ragged.json").write_text(json.dumps(data))
@@ -360,6 +381,7 @@ def test_every_model_preset_ships_a_head_profile_of_its_shape(tmp_path, monkeypa
         num_attention_heads=arch.heads,
         num_key_value_heads=arch.kv_heads,
         hidden_size=arch.heads * arch.head_dim,
+        name_or_path=f"models/{preset}",  # a preset's converted folder
     )
     profile = load_profile(config)
     assert profile.name == preset and profile.matrix.shape == (arch.layers, arch.kv_heads)

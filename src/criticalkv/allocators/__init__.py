@@ -7,6 +7,7 @@ from criticalkv.allocators.cross_layer_bounded import BoundedCrossLayerAllocator
 from criticalkv.allocators.head_profile import (
     HeadProfile,
     HeadProfileError,
+    HeadProfileWarning,
     calibrate_head_profile,
     calibrate_preset,
     load_profile,
@@ -23,6 +24,7 @@ __all__ = [
     "HeadKVAllocator",
     "HeadProfile",
     "HeadProfileError",
+    "HeadProfileWarning",
     "PyramidAllocator",
     "UniformAllocator",
     "calibrate_head_profile",

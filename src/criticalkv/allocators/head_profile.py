@@ -11,6 +11,7 @@ import datetime as _dt
 import inspect
 import json
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib.resources import files
@@ -32,6 +33,10 @@ USER_PROFILE_DIR = "head_profiles"  # under criticalkv's cache root: where calib
 
 class HeadProfileError(CriticalKVError):
     """No head profile for this model, or a profile measured on a model of another shape."""
+
+
+class HeadProfileWarning(UserWarning):
+    """A head profile found by the model's shape alone: measured on another model of that shape."""
 
 
 def _calibrate_hint(config: PretrainedConfig | None = None) -> str:
@@ -231,8 +236,16 @@ def available_profiles() -> list[tuple[str, HeadProfile]]:
     return found
 
 
+def model_label(config: PretrainedConfig) -> str:
+    """The name profiles are saved under for this model: its folder's name (a preset's converted folder is named
+    after the preset), as ``calibrate-heads`` labels what it measures; empty when the config has no path."""
+    return Path(getattr(config, "name_or_path", "") or "").name
+
+
 def load_profile(config: PretrainedConfig) -> HeadProfile:
-    """The head profile for a model config: the first one (user cache dir, then shipped) of the same shape.
+    """The head profile for a model config: the one named after the model (``model_label``) among those of its
+    shape, else the first of its shape (user cache dir, then shipped) with a ``HeadProfileWarning``: its heads were
+    measured on another model of the same shape (a fine-tune's may differ).
 
     Raises
     ------
@@ -240,12 +253,24 @@ def load_profile(config: PretrainedConfig) -> HeadProfile:
         None matches: the message lists the profiles there are, what differs, and how to measure one.
     """
     found = available_profiles()
-    for _, profile in found:
-        if not profile.mismatches(config):
-            return profile
+    same_shape = [profile for _, profile in found if not profile.mismatches(config)]
+    label = model_label(config)
+    named = [profile for profile in same_shape if profile.name == label]
+    if named:
+        return named[0]
+    if same_shape:
+        profile = same_shape[0]
+        model = repr(label) if label else "this model"
+        warnings.warn(
+            f"HeadKV: no head profile measured on {model}; using {profile.name or '<unnamed>'!r}, measured on "
+            f"another model of the same shape. {_calibrate_hint(config)}.",
+            HeadProfileWarning,
+            stacklevel=2,
+        )
+        return profile
     shape = config_shape(config)
     if found:
-        others = "; ".join(f"{p.name or label} ({_describe(p.shape)})" for label, p in found)
+        others = "; ".join(f"{p.name or where} ({_describe(p.shape)})" for where, p in found)
         listing = f"the installed profiles are for other models: {others}"
     else:
         listing = "no head profile is installed"
