@@ -28,6 +28,7 @@ import inspect
 import os
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +65,15 @@ def child_environment(allocator: str = "mmap") -> dict[str, str]:
     if allocator == "retain":
         env.update(_RETAIN)
     return env
+
+
+def rerun_under(allocator: str, marker: str) -> str:
+    """Run this script again under ``allocator`` (glibc reads its settings at start), unless it is that run: the
+    environment variable ``marker`` tells it. Returns the allocator setting the process runs under."""
+    if os.environ.get(marker) is None:
+        environment = {**child_environment(allocator), marker: allocator}
+        os.execve(sys.executable, [sys.executable, *sys.argv], environment)
+    return os.environ[marker]
 
 
 def _status_bytes(field: str) -> int:

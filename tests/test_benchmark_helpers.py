@@ -544,3 +544,22 @@ def test_pairs_table_reads_prefills_alone(tmp_path: Path) -> None:
     assert table.count("\n") == 2 and row in table
     plot_pairs([report], "pairs", tmp_path / "pairs.png")
     assert (tmp_path / "pairs.png").stat().st_size > 0
+
+
+def test_window_attention_benchmarks_baseline_is_the_same_attention() -> None:
+    """benchmarks/window_attention.py times one product and a fresh softmax against criticalkv's key blocks and
+    softmax in place: on a left-padded view of three key blocks, the same values to the bit."""
+    import torch
+    from torch import nn
+    from window_attention import one_product
+
+    from criticalkv.scorers.base import CPU_KEY_CHUNK, LayerView, window_attention
+
+    gen = torch.Generator().manual_seed(0)
+    t = 2 * CPU_KEY_CHUNK + 77
+    valid = torch.ones(2, t, dtype=torch.bool)
+    valid[1, :40] = False
+    module = nn.Module()
+    query, keys = torch.randn(2, 6, t, 16, generator=gen), torch.randn(2, 2, t, 16, generator=gen)
+    view = LayerView(module, query.bfloat16(), keys.bfloat16(), keys.bfloat16(), valid, 0.25)
+    assert torch.equal(window_attention(view, 8), one_product(view, 8))

@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import platform
 import statistics
 import sys
@@ -51,7 +50,7 @@ sys.path.insert(0, str(HERE.parent))  # benchmarks/, for timed_generation and sp
 from run_kvpress import add_model_and_press_options, build_press, fill_config_head_dim  # noqa: E402
 from speed_kvpress import HookClock  # noqa: E402
 from speed_memory import VENV, kvpress_ratio, prompt_ids  # noqa: E402
-from timed_generation import ALLOCATORS, child_environment, timed_greedy  # noqa: E402
+from timed_generation import ALLOCATORS, rerun_under, timed_greedy  # noqa: E402
 
 METHODS = ("snapkv", "critical-snapkv", "critical-adakv")  # criticalkv presets with a kvpress press of their own
 RERUN = "CRITICALKV_SAME_PROCESS_ALLOCATOR"  # set in the re-run process: the allocator setting it runs under
@@ -226,9 +225,7 @@ def main() -> None:
         parser.error("--repeats must be at least 1")
     if args.decode_steps < 0:
         parser.error("--decode-steps must be at least 0")
-    if os.environ.get(RERUN) is None:  # glibc reads its settings at start: run again under them
-        environment = {**child_environment(args.allocator), RERUN: args.allocator}
-        os.execve(sys.executable, [sys.executable, *sys.argv], environment)
+    allocator = rerun_under(args.allocator, RERUN)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -252,7 +249,7 @@ def main() -> None:
         "budget": args.budget,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
-        "allocator": os.environ[RERUN],
+        "allocator": allocator,
         "warmup_tokens": args.warmup_tokens or ids.shape[1],
         "machine": platform.machine(),
         "versions": {
