@@ -98,12 +98,25 @@ def test_stacked_sessions_answer_as_each_alone(ask_question):
         assert torch.equal(got, torch.cat(expected)), [label for label, _, _ in STACKED_PAIRS]
 
 
+def test_stacked_sessions_of_different_prompts_of_one_length_answer_as_each_alone():
+    """Each row decodes from its own cache at the same positions: two prompts of one length stack as well."""
+    model = _model("llama")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (1, 90), generator=g) for _ in range(2)]
+    question = torch.randint(0, 256, (1, 5), generator=g)
+    sessions = [SharedPrefill(model, PAIRS[1:2]).prefill(ids)[PAIRS[1][0]] for ids in prompts]
+    expected = torch.cat([session.ask(question, max_new_tokens=8).tokens for session in sessions])
+    assert not torch.equal(expected[0], expected[1])  # the prompts lead to different answers
+    stacked = ContextSession.stacked(sessions)
+    assert torch.equal(stacked.ask(question.expand(2, -1), max_new_tokens=8).tokens, expected)
+
+
 def test_stacking_refuses_what_does_not_stack():
     g = torch.Generator().manual_seed(3)
     model = _model("llama")
     short = SharedPrefill(model, PAIRS[:2]).prefill(torch.randint(0, 256, (1, 60), generator=g))
     long = SharedPrefill(model, PAIRS[:2]).prefill(torch.randint(0, 256, (1, 80), generator=g))
-    with pytest.raises(ValueError, match="same unpadded prompt"):
+    with pytest.raises(ValueError, match="unpadded prompts of one length"):
         ContextSession.stacked([short["snapkv-0.3"], long["snapkv-0.3"]])
     with pytest.raises(ValueError, match="nothing to stack"):
         ContextSession.stacked([])

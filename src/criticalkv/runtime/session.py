@@ -88,14 +88,15 @@ class ContextSession:
         """One session whose batch rows are the rows of ``sessions``, in order: sessions of one prompt
         (``SharedPrefill``'s, one per method) answer one question in a single batched decode.
 
-        Every session must hold the same unpadded prompt in a stackable ``CompressedCache`` (``CompressedCache.stack``)
-        with nothing asked yet; the sessions themselves are left as they are.
+        Every session must hold an unpadded prompt of the same length (checked; each row decodes from its own cache,
+        so the prompts themselves may differ) in a stackable ``CompressedCache`` (``CompressedCache.stack``) with
+        nothing asked yet; the sessions themselves are left as they are.
         """
         if not sessions:
             raise ValueError("nothing to stack")
         first = sessions[0]
         if any(s.cache is None or s.mask.shape != first.mask.shape or not bool(s.mask.all()) for s in sessions):
-            raise ValueError("stacked sessions must hold the same unpadded prompt")
+            raise ValueError("stacked sessions must hold unpadded prompts of one length")
         if any(s.model is not first.model for s in sessions):
             raise ValueError("stacked sessions must share one model")
         cache = CompressedCache.stack([s.cache for s in sessions])
