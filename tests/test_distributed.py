@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Olmo2Config, Olmo2ForCausalLM
 from transformers.distributed import DistributedConfig
 from typer.testing import CliRunner
 
@@ -33,6 +33,7 @@ from criticalkv.distributed import (
     output_projection,
 )
 from criticalkv.distributed.equivalence import compare, prompt, run_method
+from criticalkv.distributed.layout import GATHERED_STYLES, plan_style
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
 from criticalkv.methods import build_method
 from criticalkv.models import presets
@@ -42,6 +43,17 @@ from criticalkv.scorers import LayerView
 METHODS = ["critical-snapkv", "critical-adakv", "critical-headkv", "critical-tova", "layer-defensive", "defensive"]
 CAPPED = "critical-adakv:max_rank_imbalance=0"  # every rank holds the same share of each layer
 BUDGET, TOKENS, ROWS, NEW_TOKENS = 0.2, 256, 2, 6  # B = 51 entries per head > SnapKV's 32-token window
+_SHAPE = {  # the fields of _config another family takes as they are
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+}
 
 
 def _config(vocab: int, heads: int = 4, kv_heads: int = 2) -> LlamaConfig:
@@ -144,6 +156,33 @@ def test_rank_bytes(split_runs, single_runs):
     assert ada[0] != ada[1]  # AdaKV's head budgets load one rank more than the other...
     capped = tp[CAPPED].rank_bytes
     assert capped[0] == capped[1] < max(ada)  # ...unless the cap evens them out
+
+
+def test_a_plan_that_gathers_the_heads_decides_as_one_process(tmp_path, tiny_tokenizer):
+    """OLMo 2's plan splits ``k_proj``'s weight but gathers its output (``colwise_gather_output``): every rank holds
+    every head, so the ranks must neither split the heads' decisions nor count each other's cache as theirs."""
+    folder = tmp_path / "olmo2"
+    config = Olmo2Config(**{k: v for k, v in _config(len(tiny_tokenizer)).to_dict().items() if k in _SHAPE})
+    torch.manual_seed(0)
+    Olmo2ForCausalLM(config).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    methods = ["critical-snapkv", "critical-adakv", "critical-tova"]
+    model, tokenizer = launch.load_model(str(folder), dtype="float32")
+    assert plan_style(model, "model.layers.0.self_attn.k_proj") in GATHERED_STYLES
+    ids, mask = prompt(model, tokenizer, TOKENS, ROWS, seed=0)
+    single = {name: run_method(model, name, BUDGET, ids, mask, NEW_TOKENS) for name in methods}
+    out = tmp_path / "split.pt"
+    _torchrun(
+        tmp_path,
+        *("criticalkv.distributed.equivalence", "--model", str(folder), "--methods", ",".join(methods)),
+        *("--budget", str(BUDGET), "--tokens", str(TOKENS), "--rows", str(ROWS), "--new-tokens", str(NEW_TOKENS)),
+        *("--tp-size", "2", "--out", str(out)),
+    )
+    (split,) = torch.load(out, weights_only=False).values()
+    assert compare(single, split) == []
+    for name in methods:
+        (whole,) = single[name].rank_bytes
+        assert split[name].rank_bytes == [whole, whole]  # each rank holds the whole cache
 
 
 def test_cli_run_under_torchrun(tiny_root: Path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -11,6 +12,19 @@ from transformers.cache_utils import CacheLayerMixin, DummyLayer
 from criticalkv.distributed.heads import is_dtensor
 from criticalkv.errors import UnsupportedModelError
 from criticalkv.models.families import attention_modules, text_config
+
+# Column-parallel styles whose output transformers gathers back onto every rank: a k_proj under one of them is split
+# over the ranks but gives each of them every KV head (OLMo 2's plan), so the ranks do not split the heads.
+GATHERED_STYLES = ("colwise_gather_output", "colwise_rep")
+
+
+def plan_style(model: PreTrainedModel, name: str) -> str | None:
+    """The tensor-parallel style the model's plan (``model.tp_plan``, ``*`` for layer numbers, keys relative to the
+    model or to its base model) gives the module of qualified name ``name``; None when the plan has no rule for it."""
+    for pattern, style in (getattr(model, "tp_plan", None) or {}).items():
+        if fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}"):
+            return style
+    return None
 
 
 class UnevenHeadsError(UnsupportedModelError):
@@ -115,7 +129,7 @@ class ParallelLayout:
 
     ``tp_rank``/``tp_size``: position in the tensor-parallel group; ``pp_rank``/``pp_size``: pipeline stage.
     ``heads_sharded``: the tensor-parallel ranks hold disjoint blocks of KV heads (False when the model's plan
-    replicates attention on every rank, as Phi-3's does, or without tensor parallelism).
+    replicates attention on every rank, as Phi-3's and OLMo 2's do, or without tensor parallelism).
     """
 
     rank: int
@@ -133,13 +147,15 @@ class ParallelLayout:
         initialized = dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
         tp_rank, tp_size, sharded = 0, 1, False
+        names = {id(module): name for name, module in model.named_modules()}
         for module in attention:  # tensor parallelism shards attention parameters over the tensor-parallel mesh
             sharded_params = [p for p in module.parameters() if is_dtensor(p)]
             if sharded_params:
                 mesh = sharded_params[0].device_mesh
                 tp_rank, tp_size = mesh.get_local_rank(), mesh.size()
                 k_weight = getattr(getattr(module, "k_proj", None), "weight", None)
-                sharded = is_dtensor(k_weight) and k_weight.to_local().shape[0] < k_weight.shape[0]
+                split = is_dtensor(k_weight) and k_weight.to_local().shape[0] < k_weight.shape[0]
+                sharded = split and plan_style(model, f"{names[id(module)]}.k_proj") not in GATHERED_STYLES
                 break
         stage = getattr(model, "_pp_stage", None)
         pp_rank, pp_size = (stage.pp_rank, stage.pp_size) if stage is not None else (0, 1)
