@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Olmo2Config, Olmo2ForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM
 from transformers.distributed import DistributedConfig
 from typer.testing import CliRunner
 
@@ -158,17 +158,23 @@ def test_rank_bytes(split_runs, single_runs):
     assert capped[0] == capped[1] < max(ada)  # ...unless the cap evens them out
 
 
-def test_a_plan_that_gathers_the_heads_decides_as_one_process(tmp_path, tiny_tokenizer):
-    """OLMo 2's plan splits ``k_proj``'s weight but gathers its output (``colwise_gather_output``): every rank holds
-    every head, so the ranks must neither split the heads' decisions nor count each other's cache as theirs."""
-    folder = tmp_path / "olmo2"
-    config = Olmo2Config(**{k: v for k, v in _config(len(tiny_tokenizer)).to_dict().items() if k in _SHAPE})
+@pytest.mark.parametrize(
+    ("family", "projection"),
+    [(Olmo2ForCausalLM, "k_proj"), (Phi3ForCausalLM, "qkv_proj")],
+    ids=["olmo2", "phi3"],
+)
+def test_a_plan_that_gathers_the_heads_decides_as_one_process(family, projection, tmp_path, tiny_tokenizer):
+    """OLMo 2's plan splits ``k_proj``'s weight but gathers its output, Phi-3's its fused ``qkv_proj``'s
+    (``colwise_gather_output``): every rank holds every head, so the ranks must neither split the heads' decisions
+    nor count each other's cache as theirs."""
+    folder = tmp_path / "model"
+    shape = {k: v for k, v in _config(len(tiny_tokenizer)).to_dict().items() if k in _SHAPE}
     torch.manual_seed(0)
-    Olmo2ForCausalLM(config).save_pretrained(folder)
+    family(family.config_class(**shape, pad_token_id=1)).save_pretrained(folder)  # Phi-3 pads with id 32000
     tiny_tokenizer.save_pretrained(folder)
     methods = ["critical-snapkv", "critical-adakv", "critical-tova"]
     model, tokenizer = launch.load_model(str(folder), dtype="float32")
-    assert plan_style(model, "model.layers.0.self_attn.k_proj") in GATHERED_STYLES
+    assert plan_style(model, f"model.layers.0.self_attn.{projection}") in GATHERED_STYLES
     ids, mask = prompt(model, tokenizer, TOKENS, ROWS, seed=0)
     single = {name: run_method(model, name, BUDGET, ids, mask, NEW_TOKENS) for name in methods}
     out = tmp_path / "split.pt"
