@@ -379,10 +379,12 @@ def same_process_table(reports: list[dict]) -> str:
     ]
     for _, r, method in _same_process_cells(reports):
         s = r["summary"][method]
+        full = r["summary"].get("full")  # absent from a run with --no-control
+        control = f"{full['ttft_median']:.2f}" if full else "not run"
         lines.append(
             f"| {r['model']} | {r['prompt_tokens']} | {method} | {s['repeats']} | {s['ttft_ours']:.2f} / "
             f"{s['ttft_kvpress']:.2f} | {s['ttft_ratio']:.3f} | {s['ttft_within']:.3f}, {s['ttft_ours_lower']} of "
-            f"{s['repeats']} | {r['summary']['full']['ttft_median']:.2f} | {s['compression_ours']:.3f} / "
+            f"{s['repeats']} | {control} | {s['compression_ours']:.3f} / "
             f"{s['compression_kvpress']:.3f} | {s['rest_within']:.3f} | {s['decode_ms_ours']:.1f} / "
             f"{s['decode_ms_kvpress']:.1f} | {s['decode_ms_within']:.3f} | "
             f"{s['kv_bytes_ours'] / s['kv_bytes_kvpress']:.3f} | {_tokens_cell(s['first_difference'])} |"

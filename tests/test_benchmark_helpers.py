@@ -523,6 +523,9 @@ def test_same_process_table_and_ratios_read_each_repeat() -> None:
     assert table.count("\n") == 2  # header, rule, one row: the full control is a column, not a row
     row = "| m | 2048 | critical-adakv | 2 | 9.50 / 9.00 | 1.056 | 1.075, 1 of 2 | 9.00 | 0.500 / 1.000 |"
     assert row in table and table.endswith("| 30.0 / 60.0 | 0.500 | 0.200 | identical |")
+    uncontrolled = [r for r in runs if r["label"] != "full"]  # --no-control
+    report |= {"runs": uncontrolled, "summary": summarise_same(uncontrolled, ["critical-adakv"])}
+    assert "| 1.075, 1 of 2 | not run | 0.500 / 1.000 |" in same_process_table([report])
 
 
 def test_pairs_table_reads_prefills_alone(tmp_path: Path) -> None:
