@@ -83,7 +83,8 @@ def tiny_root(tmp_path_factory, tiny_tokenizer) -> Path:
     LlamaForCausalLM(config).save_pretrained(root / "model")
     tiny_tokenizer.save_pretrained(root / "model")
     importance = torch.rand(4, 2, generator=torch.Generator().manual_seed(3)) + 0.1
-    HeadProfile.from_config(config, importance, name="tiny-random").save(root / "cache" / "head_profiles" / "tiny.json")
+    profile = HeadProfile.from_config(config, importance, name="model")  # the folder's name, as calibrate-heads does
+    profile.save(root / "cache" / "head_profiles" / "tiny.json")
     return root
 
 
