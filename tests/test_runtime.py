@@ -192,6 +192,18 @@ def _keep_by_layer(calls):
     return {layer: decision.keep for layer, _, decision in calls if decision.keep is not None}
 
 
+def test_each_generate_in_one_block_keeps_only_its_own_prefills_records():
+    """Records describe the latest prefill: a server calling generate(...) again and again inside one compress(...)
+    block must not pile up every earlier prefill's records."""
+    model = _model("llama")
+    with criticalkv.compress(model, "snapkv", budget=0.5) as compressor:
+        _generate(model, _ids(40, seed=1))
+        first = [r.before.tolist() for r in compressor.records]
+        _generate(model, _ids(30, seed=2))
+        second = [r.before.tolist() for r in compressor.records]
+    assert first == [[40]] * 2 and second == [[30]] * 2  # one record per layer, of that prefill
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # nothing evicted: bit-identical to the model without criticalkv
 

@@ -228,6 +228,7 @@ class Compressor:
             return None
         if cache is None or (isinstance(cache, Cache) and cache.get_seq_length() == 0):
             kwargs[name] = self.new_cache()
+            self.records.clear()  # a new prefill: generate(...) called again in one block keeps no earlier records
             self._remember_inputs(args, kwargs)
             return args, kwargs
         raise CacheStateError(
