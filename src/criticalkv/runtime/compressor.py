@@ -130,7 +130,7 @@ class Compressor:
     model: PreTrainedModel
     method: Method
     budget: Budget
-    records: list[LayerRecord] = field(default_factory=list)
+    records: list[LayerRecord] = field(default_factory=list)  # the latest prefill's (start_prefill, or a new cache)
     record_keep: bool = False  # also store each layer's keep mask (for analysis and reference comparisons)
     # process CPU time spent scoring, selecting and compressing since the last ``start_prefill`` (host time only:
     # on a GPU, kernels still running when a step returns are not in it)
