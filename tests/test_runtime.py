@@ -202,6 +202,10 @@ def test_each_generate_in_one_block_keeps_only_its_own_prefills_records():
         _generate(model, _ids(30, seed=2))
         second = [r.before.tolist() for r in compressor.records]
     assert first == [[40]] * 2 and second == [[30]] * 2  # one record per layer, of that prefill
+    with criticalkv.compress(model, "snapkv", budget=0.5) as compressor:  # the caller's own empty caches
+        for t in (40, 30):
+            model(_ids(t, seed=t), cache=compressor.new_cache(), use_cache=True)
+        assert [r.before.tolist() for r in compressor.records] == [[30]] * 2
 
 
 # ----------------------------------------------------------------------------------------------------------------

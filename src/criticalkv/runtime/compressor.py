@@ -130,7 +130,7 @@ class Compressor:
     model: PreTrainedModel
     method: Method
     budget: Budget
-    records: list[LayerRecord] = field(default_factory=list)  # the latest prefill's (start_prefill, or a new cache)
+    records: list[LayerRecord] = field(default_factory=list)  # the latest prefill's (start_prefill, an empty cache)
     record_keep: bool = False  # also store each layer's keep mask (for analysis and reference comparisons)
     # process CPU time spent scoring, selecting and compressing since the last ``start_prefill`` (host time only:
     # on a GPU, kernels still running when a step returns are not in it)
@@ -224,6 +224,8 @@ class Compressor:
         if isinstance(cache, CompressedCache):
             cache.compressor = self
             if not self._finishing:
+                if cache.get_seq_length() == 0:
+                    self.records.clear()  # a new prefill into the caller's own empty cache
                 self._remember_inputs(args, kwargs)
             return None
         if cache is None or (isinstance(cache, Cache) and cache.get_seq_length() == 0):
