@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import save_random_llama
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -485,6 +486,31 @@ def test_calibration_runs_on_a_tiny_model(tiny_tokenizer):
     assert torch.tensor(profile.query_scores).shape == (2, 4)
     assert profile.measurement["samples"] == 2 and profile.measurement["lengths"] == [96]
     assert not profile.mismatches(model.config)
+
+
+def test_a_calibrated_folder_finds_its_own_profile(tmp_path, monkeypatch, tiny_tokenizer):
+    """calibrate-heads names a profile as load_profile looks for it: after calibrating a folder, loading that
+    folder finds its profile by name, without a shape-only warning, though another of its shape comes first."""
+    from criticalkv.allocators.head_profile import calibrate_preset
+
+    monkeypatch.setattr(head_profile_module, "user_profile_dir", lambda: tmp_path / "profiles")
+    folder = save_random_llama(
+        tmp_path / "my-llama",
+        tiny_tokenizer,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    profile, path = calibrate_preset(str(folder), samples=1, lengths=(96,), progress=False)
+    assert profile.name == "my-llama" and path == tmp_path / "profiles" / "my-llama.json"
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    other = _profile(model.config)
+    other.save(tmp_path / "profiles" / "a-first.json")  # "test", of the same shape, found first
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_profile(model.config).name == "my-llama"
 
 
 def test_calibration_runs_on_a_model_with_sliding_window_layers(tiny_tokenizer):

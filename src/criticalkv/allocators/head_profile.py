@@ -437,7 +437,7 @@ def calibrate_preset(
     from criticalkv.models.presets import load_model
 
     loaded, tokenizer = load_model(model, dtype=dtype, device=device)
-    label = Path(model).name if Path(model).exists() else model
+    label = model_label(loaded.config)  # the name load_profile looks for on this model
     profile = calibrate_head_profile(loaded, tokenizer, name=label, **options)
     path = Path(out) if out is not None else user_profile_dir() / f"{label}.json"
     return profile, profile.save(path)
