@@ -147,7 +147,6 @@ class ParallelLayout:
         initialized = dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
         tp_rank, tp_size, sharded = 0, 1, False
-        names = {id(module): name for name, module in model.named_modules()}
         for module in attention:  # tensor parallelism shards attention parameters over the tensor-parallel mesh
             sharded_params = [p for p in module.parameters() if is_dtensor(p)]
             if sharded_params:
@@ -155,7 +154,8 @@ class ParallelLayout:
                 tp_rank, tp_size = mesh.get_local_rank(), mesh.size()
                 k_weight = getattr(getattr(module, "k_proj", None), "weight", None)
                 split = is_dtensor(k_weight) and k_weight.to_local().shape[0] < k_weight.shape[0]
-                sharded = split and plan_style(model, f"{names[id(module)]}.k_proj") not in GATHERED_STYLES
+                name = next(name for name, candidate in model.named_modules() if candidate is module)
+                sharded = split and plan_style(model, f"{name}.k_proj") not in GATHERED_STYLES
                 break
         stage = getattr(model, "_pp_stage", None)
         pp_rank, pp_size = (stage.pp_rank, stage.pp_size) if stage is not None else (0, 1)
