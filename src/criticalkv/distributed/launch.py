@@ -7,6 +7,7 @@ runs the same program, and every forward is a collective step all of them take t
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from datetime import timedelta
@@ -48,6 +49,14 @@ def init_process_group() -> None:
         dist.init_process_group("nccl", device_id=device, timeout=timedelta(hours=2))
     else:
         dist.init_process_group("gloo", timeout=timedelta(hours=2))
+    atexit.register(_leave_process_group)
+
+
+def _leave_process_group() -> None:
+    """Destroy the group before the interpreter exits: left to the C++ destructors, gloo's threads could abort a
+    rank that finished first ("terminate called without an active exception") while another still worked."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def barrier() -> None:
