@@ -89,8 +89,10 @@ def _distinct_scores(b: int, h: int, t: int, seed: int) -> torch.Tensor:
     return (torch.randperm(b * h * t, generator=gen).float() + 1).view(b, h, t) / (b * h * t)
 
 
-def _adakv_reference(scores, budgets, valid, protected, safeguard) -> torch.Tensor:
-    """AdaKV's picks by its definition, one entry at a time: (b, h, t) bool."""
+def _adakv_reference(scores, budgets, valid, protected, safeguard, beside_window=False) -> torch.Tensor:
+    """AdaKV's picks by its definition, one entry at a time: (b, h, t) bool. A head reserves the first ``n_safe``
+    of its own order (kvpress), or with ``beside_window`` its protected positions and ``n_safe`` more (the AdaKV
+    authors' code: the best ``n_safe`` others lifted to the top score, then the window appended at that score)."""
     b, h, t = scores.shape
     picked = torch.zeros(b, h, t, dtype=torch.bool)
     for row in range(b):
@@ -103,7 +105,8 @@ def _adakv_reference(scores, budgets, valid, protected, safeguard) -> torch.Tens
             own = sorted(
                 mine, key=lambda i: (not protected[row, i], -i if protected[row, i] else -scores[row, head, i])
             )
-            safe = set(own[:n_safe])
+            n_protected = sum(bool(protected[row, i]) for i in mine)
+            safe = set(own[: min(budget, n_protected + n_safe)] if beside_window else own[:n_safe])
             for i in mine:
                 tier = 2 if i in safe else (1 if protected[row, i] else 0)
                 secondary = i if protected[row, i] else float(scores[row, head, i])
@@ -125,9 +128,10 @@ def _adakv_reference(scores, budgets, valid, protected, safeguard) -> torch.Tens
     t=st.integers(6, 40),
     window=st.integers(0, 8),
     safeguard=st.sampled_from([0.0, 0.2, 0.5, 1.0]),
+    beside_window=st.booleans(),
     data=st.data(),
 )
-def test_adakv_matches_bruteforce_reference(h, t, window, safeguard, data):
+def test_adakv_matches_bruteforce_reference(h, t, window, safeguard, beside_window, data):
     lengths = [t, data.draw(st.integers(1, t))]  # batch 2, the second row left-padded
     budgets = torch.tensor([data.draw(st.integers(1, n)) for n in lengths])
     view = _view(lengths, t, h)
@@ -135,12 +139,13 @@ def test_adakv_matches_bruteforce_reference(h, t, window, safeguard, data):
     scores = _distinct_scores(2, h, t, seed=data.draw(st.integers(0, 10_000)))
     scores = scores.masked_fill(~view.valid[:, None, :], 123.0)  # padding holds garbage: must never be picked
 
-    got = AdaKVAllocator(safeguard).allocate(scores, budgets, view, protected)
-    picked = _adakv_reference(scores, budgets, view.valid, protected, safeguard)
+    got = AdaKVAllocator(safeguard, safeguard_beside_window=beside_window).allocate(scores, budgets, view, protected)
+    picked = _adakv_reference(scores, budgets, view.valid, protected, safeguard, beside_window)
     assert torch.equal(got, picked.sum(-1))
     assert torch.equal(got.sum(-1), h * budgets)  # exact totals
     n_safe = torch.clamp(torch.floor(budgets * safeguard + 1e-9).long(), min=1)
-    assert bool((got >= torch.minimum(n_safe, budgets)[:, None]).all())  # safeguard respected
+    floor = n_safe + protected.sum(-1) if beside_window else n_safe
+    assert bool((got >= torch.minimum(floor, budgets)[:, None]).all())  # safeguard respected
     assert bool((got >= 1).all())
     assert bool((got <= torch.tensor(lengths)[:, None]).all())
 
@@ -172,6 +177,21 @@ def test_adakv_protected_window_always_counts():
     assert bool((got >= w).all()) and int(got.sum()) == 3 * budget
     keep = TopKSelector().select(scores, got, protected, view)
     assert bool(keep[..., t - w :].all())
+
+
+def test_adakv_safeguard_beside_the_window_reserves_both():
+    """A starved head: kvpress's rule counts the window as its safeguard (it keeps max(n_safe, P) = 8); the AdaKV
+    authors' code reserves its best n_safe = 4 others beside the window (8 + 4)."""
+    t, w, budget = 60, 8, 20
+    view = _view([t], t, 2)
+    protected = _window(view, w)
+    scores = torch.zeros(1, 2, t)
+    scores[0, 0] = torch.linspace(0.0, 0.01, t)  # starved: every score below every score of head 1
+    scores[0, 1] = torch.linspace(0.5, 0.6, t)
+    kvpress_rule = AdaKVAllocator(0.2).allocate(scores, torch.tensor([budget]), view, protected)
+    beside = AdaKVAllocator(0.2, safeguard_beside_window=True).allocate(scores, torch.tensor([budget]), view, protected)
+    assert kvpress_rule.tolist() == [[8, 32]]
+    assert beside.tolist() == [[12, 28]]
 
 
 def test_adakv_rejects_bad_safeguard():

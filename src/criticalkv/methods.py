@@ -93,7 +93,7 @@ PRESETS: dict[str, Preset] = {
     "critical-tova": Preset("CriticalKV over TOVA's scores", _preset(TOVAScorer, CriticalSelector)),
     "reconstruct": Preset(
         "KVzip scores (max attention from the model repeating the context, chunks of 2048), question-agnostic; "
-        "the same budget in every layer and head (kvpress's layerwise=True), top-k",
+        "the same budget in every layer and head, top-k",
         _preset(ReconstructionScorer, TopKSelector),
     ),
     "layer-reconstruct": Preset(

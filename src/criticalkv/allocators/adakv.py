@@ -18,9 +18,12 @@ class AdaKVAllocator:
 
     For each row ``b`` with budget ``B`` (entries per head, protected ones included):
 
-    1. every head first reserves its own ``n_safe = max(1, floor(safeguard * B))`` best entries;
-    2. protected positions (e.g. SnapKV's window) come next, the most recent first: kvpress gives the window
-       a score above every other score, so it always survives the global cut;
+    1. every head first reserves its own ``n_safe = max(1, floor(safeguard * B))`` best entries, its protected
+       positions (e.g. SnapKV's window, the most recent first) ranking first among them, as in kvpress, where the
+       window carries the highest score; with ``safeguard_beside_window`` the reserve is the protected positions
+       and ``n_safe`` best others beside them (at most ``B`` in all);
+    2. the protected positions not reserved come next: kvpress gives the window a score above every other
+       score, so it always survives the global cut;
     3. the remaining picks are the best scores pooled over all heads of the layer;
 
     and head ``h`` gets as many entries as picks landed in it. The budgets of a row sum to ``h_kv * B``
@@ -36,6 +39,13 @@ class AdaKVAllocator:
         Under tensor parallelism, no rank holds more than ``1 + max_rank_imbalance`` times the mean rank's
         entries of a layer (``criticalkv.distributed.cap_rank_imbalance``); None (default) leaves AdaKV's
         budgets as they are. No effect on one process.
+    safeguard_beside_window
+        False (kvpress 0.5's ``AdaKVPress``): the window counts toward the safeguard, so every head starts from
+        ``max(n_safe, P)`` entries (P protected). True (the AdaKV authors' code, DefensiveKV's
+        ``EfficientAdaSnapKVPress``): the ``n_safe`` best entries outside the window are reserved on top of it,
+        every head starts from ``min(P + n_safe, B)``. The budgets differ only for heads that win fewer than
+        ``P + n_safe`` entries with kvpress's rule (starved heads; at small budgets the window alone can exceed
+        ``n_safe``, and then kvpress's safeguard reserves nothing beyond it).
 
     Notes
     -----
@@ -52,6 +62,7 @@ class AdaKVAllocator:
 
     safeguard: float = 0.2
     max_rank_imbalance: float | None = None
+    safeguard_beside_window: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.safeguard <= 1.0:
@@ -90,11 +101,15 @@ class AdaKVAllocator:
         n_prot = prot.sum(-1)  # P: (b,), the same positions in every head
         n_safe = torch.floor(budgets.double() * self.safeguard + 1e-9).long().clamp(min=1)
         n_safe = torch.minimum(n_safe, budgets)  # (b,)
-        # Each head's own order starts with the window (most recent first), so its safeguard is the n_safe most
-        # recent protected positions, plus its best other entries when the window is smaller than n_safe.
-        # Safeguard and window together give every head max(n_safe, P) entries before the global cut.
-        base = torch.maximum(n_safe, n_prot)  # (b,)
-        extra_safe = (n_safe - n_prot).clamp(min=0)  # safeguard entries outside the window, per head
+        if self.safeguard_beside_window:  # the window, then the n_safe best others: min(P + n_safe, B) per head
+            extra_safe = torch.minimum(n_safe, (budgets - n_prot).clamp(min=0))
+            base = n_prot + extra_safe
+        else:
+            # Each head's own order starts with the window (most recent first), so its safeguard is the n_safe most
+            # recent protected positions, plus its best other entries when the window is smaller than n_safe.
+            # Safeguard and window together give every head max(n_safe, P) entries before the global cut.
+            base = torch.maximum(n_safe, n_prot)  # (b,)
+            extra_safe = (n_safe - n_prot).clamp(min=0)  # safeguard entries outside the window, per head
         others = scores.float().masked_fill(~(valid & ~prot)[:, None, :], float("-inf"))  # (b, h, t)
         k = int(extra_safe.max())
         if k > 0:  # those safeguard entries are taken already: out of the pooled contest
