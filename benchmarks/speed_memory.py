@@ -24,6 +24,7 @@ length, as with ``--warmup-tokens`` at the prompt's length) for times.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -61,9 +62,25 @@ OPTIONAL_FIGURES = (  # on a GPU; with --count-ops; under compression (runs made
     "peak_cuda_above_start_bytes",
     "prefill_dispatched_ops",
     "prefill_host_reads",
+    "prefill_dispatched_ops_gpu_blocks",
     "compression_cpu_seconds",
     "prefill_minor_faults",
 )
+
+
+@contextlib.contextmanager
+def gpu_block_sizes():
+    """criticalkv's CPU-only block sizes switched to a GPU's, for an operator count on a CPU: the window's logits in
+    one product (``scorers.base.CPU_KEY_CHUNK``), the value norms in chunks of a GPU's size (``value_norm``)."""
+    from criticalkv.scorers import base
+    from criticalkv.selectors import value_norm
+
+    saved = base.CPU_KEY_CHUNK, value_norm._CHUNK_ELEMENTS
+    base.CPU_KEY_CHUNK, value_norm._CHUNK_ELEMENTS = sys.maxsize, value_norm._CHUNK_ELEMENTS_CUDA
+    try:
+        yield
+    finally:
+        base.CPU_KEY_CHUNK, value_norm._CHUNK_ELEMENTS = saved
 
 
 def prompt_ids(tokenizer, length: int, seed: int = 0) -> list[int]:
@@ -122,6 +139,10 @@ def measure_ours(args: argparse.Namespace) -> list[dict]:
             for _ in range(args.runs_per_process)
         ]
         ops = count_prefill_ops(model, ids, DynamicCache(config=model.config)) if args.count_ops else {}
+        if args.count_ops and model.device.type == "cpu":
+            with gpu_block_sizes():
+                as_on_gpu = count_prefill_ops(model, ids, DynamicCache(config=model.config))
+            ops["prefill_dispatched_ops_gpu_blocks"] = as_on_gpu["prefill_dispatched_ops"]
     shared = {
         "system": "ours",
         "method": args.single,
@@ -326,7 +347,7 @@ def main() -> None:
         "--count-ops",
         action="store_true",
         help="after the timed runs, count the operators of one more prefill and those the host waits for "
-        "(timed_generation.count_prefill_ops)",
+        "(timed_generation.count_prefill_ops); on a CPU criticalkv's also with a GPU's block sizes (gpu_block_sizes)",
     )
     parser.add_argument(
         "--phases",

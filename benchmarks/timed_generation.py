@@ -124,12 +124,30 @@ def _cache_argument(model) -> str:
 
 
 class _OperatorCount(TorchDispatchMode):
-    """Counts the aten operators dispatched inside it (below autograd: the ones that run kernels)."""
+    """Counts the aten operators dispatched inside it (below autograd: the ones that run kernels), and the host
+    reads among them; ``Tensor.tolist`` dispatches no operator on a CPU (on a GPU it copies to the host first), so
+    its calls are counted as host reads by wrapping it while the mode is on."""
 
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
         self.host_reads = 0
+        self._tolist = None
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        original = self._tolist
+
+        def counted(tensor, *args, **kwargs):
+            self.host_reads += 1
+            return original(tensor, *args, **kwargs)
+
+        torch.Tensor.tolist = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.total += 1

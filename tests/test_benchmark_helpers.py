@@ -354,6 +354,35 @@ def test_prefill_operator_count_sees_compression_and_host_reads(tiny_tokenizer) 
     # per compressed layer two (the top-k width, the kept counts), and per forward three (the budget's check, the
     # plan's rows kept whole, the padding): facts of the mask are computed once per forward, not per layer
     assert 2 <= snap["prefill_host_reads"] <= 2 * config.num_hidden_layers + 3
+    # CriticalKV (float32: no screen) waits as often as snapkv: both stages' top-k widths and the sign check of the
+    # scores in one Tensor.tolist (which dispatches no operator: counted by wrapping it), then the kept counts
+    with criticalkv.compress(model, "critical-snapkv", 0.5):
+        critical = count_prefill_ops(model, ids, DynamicCache(config=config))
+    assert critical["prefill_host_reads"] == snap["prefill_host_reads"]
+
+
+def test_gpu_block_sizes_counts_the_windows_logits_as_one_product(tiny_tokenizer) -> None:
+    """On a CPU the window's logits are products over 512 keys at a time; counted with a GPU's block sizes, a prompt
+    of 600 tokens dispatches fewer operators, and the CPU's sizes are back afterwards."""
+    import torch
+    from speed_memory import gpu_block_sizes
+    from test_sweep import _tiny_model
+    from timed_generation import count_prefill_ops
+    from transformers import DynamicCache, LlamaConfig
+
+    import criticalkv
+    from criticalkv.scorers import base
+
+    torch.manual_seed(0)
+    model = _tiny_model(LlamaConfig, tiny_tokenizer)
+    ids = torch.randint(2, len(tiny_tokenizer), (1, 600))
+    with criticalkv.compress(model, "snapkv", 0.5):
+        on_cpu = count_prefill_ops(model, ids, DynamicCache(config=model.config))
+        with gpu_block_sizes():
+            as_on_gpu = count_prefill_ops(model, ids, DynamicCache(config=model.config))
+    assert as_on_gpu["prefill_dispatched_ops"] < on_cpu["prefill_dispatched_ops"]
+    assert as_on_gpu["prefill_host_reads"] == on_cpu["prefill_host_reads"]
+    assert base.CPU_KEY_CHUNK == 512
 
 
 def test_phase_clock_counts_a_nested_phase_in_its_own_phase_only() -> None:

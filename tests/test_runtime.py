@@ -16,6 +16,7 @@ from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
     Gemma3TextConfig,
+    GenerationConfig,
     GPT2Config,
     GraniteConfig,
     LlamaConfig,
@@ -724,6 +725,93 @@ def test_assisted_decoding_is_refused_once_compressed(method):
     ids = _ids(12, seed=45).repeat(1, 4)  # repetitive, so prompt lookup finds drafts
     with pytest.raises(ValueError, match="cache that can be cropped"), criticalkv.compress(model, method, budget=0.5):
         model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=4)
+
+
+def test_chunked_prefill_is_refused_and_generate_restored():
+    """generate(prefill_chunk_size=...) reaches the model as one forward per chunk; the first, into an empty cache,
+    would be compressed as the whole context (the rest left dense). Refused, by argument or generation config."""
+    model = _model("llama")
+    ids = _ids(64, seed=48)
+    with criticalkv.compress(model, "snapkv", budget=0.25):
+        with pytest.raises(CacheStateError, match="prefill_chunk_size"):
+            model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, prefill_chunk_size=16)
+        config = GenerationConfig(max_new_tokens=2, do_sample=False, prefill_chunk_size=16)
+        with pytest.raises(CacheStateError, match="prefill_chunk_size"):
+            model.generate(ids, config)
+    assert "generate" not in model.__dict__  # the block's guard is gone: chunked prefill works again outside
+    model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, prefill_chunk_size=16)
+
+
+@pytest.mark.parametrize("implementation", ["static", "offloaded"])
+def test_a_cache_that_cannot_hold_compressed_layers_is_refused(implementation):
+    """A static (or offloaded) cache was silently swapped for criticalkv's; with padding the prefill then failed on
+    a mask sized for the static cache."""
+    model = _model("llama")
+    with criticalkv.compress(model, "critical-snapkv", budget=0.3), pytest.raises(CacheStateError, match="empty"):
+        model.generate(input_ids=_ids(30, seed=49), max_new_tokens=2, cache_implementation=implementation)
+
+
+def test_output_attentions_is_refused_inside_a_block():
+    """A compressed layer returns no attention weights: the decode steps' attentions would be silently empty."""
+    model = _model("llama", "eager")
+    with criticalkv.compress(model, "snapkv", budget=0.3), pytest.raises(CacheStateError, match="output_attentions"):
+        model.generate(input_ids=_ids(30, seed=50), max_new_tokens=2, output_attentions=True)
+
+
+def test_a_full_cache_session_inside_a_block_is_refused():
+    """The block's hooks would swap the session's empty cache for a compressed one it never sees: the answers would
+    ignore the context."""
+    model = _model("llama")
+    with criticalkv.compress(model, "snapkv", budget=0.5):
+        with pytest.raises(CacheStateError, match="do not nest"):
+            ContextSession(model, "full")
+        with pytest.raises(CacheStateError, match="do not nest"), criticalkv.compress(model, "snapkv", budget=1.0):
+            pass
+
+
+def test_a_prefill_that_raised_leaves_nothing_for_the_next():
+    """A deferred method's forward that raises midway (out of memory, an interrupt) leaves its dense layers pending;
+    the next prefill in the block must decide its own layers alone."""
+    model = _model("llama")
+    ids, other = _ids(50, seed=51), _ids(60, seed=52)
+    with criticalkv.compress(model, "layer-defensive", budget=0.3, window=8):
+        want = _generate(model, ids)
+    calls = {"n": 0}
+
+    def fail_once(module, args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("interrupted")
+
+    hook = model.model.layers[1].register_forward_pre_hook(fail_once)
+    try:
+        with criticalkv.compress(model, "layer-defensive", budget=0.3, window=8) as compressor:
+            with pytest.raises(RuntimeError, match="interrupted"):
+                _generate(model, other)
+            assert len(compressor.pending) == 1
+            got = _generate(model, ids)
+            assert [r.layer for r in compressor.records] == [0, 1]
+    finally:
+        hook.remove()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_deep_copy_of_a_compressed_cache_shares_the_model():
+    """transformers' prompt reuse deep-copies a prefilled cache; the copy holds the cached tensors, not a second
+    model, and continues as the original does."""
+    import copy
+
+    model = _model("llama")
+    ids = _ids(40, seed=53)
+    with criticalkv.compress(model, "critical-adakv", budget=0.3, window=8):
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+        clone = copy.deepcopy(cache)
+        assert clone.compressor is cache.compressor and clone.compressor.model is model  # before a forward resets it
+        token = _ids(1, seed=54)
+        original = model(input_ids=token, cache=cache, use_cache=True).logits
+        copied = model(input_ids=token, cache=clone, use_cache=True).logits
+    assert clone.layers[0] is not cache.layers[0]
+    torch.testing.assert_close(copied, original, rtol=0, atol=0)
 
 
 def test_a_kept_compressor_does_not_keep_the_cache_alive():

@@ -110,19 +110,18 @@ class AdaKVAllocator:
             # Safeguard and window together give every head max(n_safe, P) entries before the global cut.
             base = torch.maximum(n_safe, n_prot)  # (b,)
             extra_safe = (n_safe - n_prot).clamp(min=0)  # safeguard entries outside the window, per head
-        others = scores.float().masked_fill(~(valid & ~prot)[:, None, :], float("-inf"))  # (b, h, t)
-        k = int(extra_safe.max())
-        if k > 0:  # those safeguard entries are taken already: out of the pooled contest
-            top = others.topk(k, dim=-1).indices  # (b, h, k)
-            taken = torch.arange(k, device=scores.device)[None, None, :] < extra_safe[:, None, None]
-            others = others.scatter(-1, top, others.gather(-1, top).masked_fill(taken, float("-inf")))
         # The pooled contest: the rest of the row's h * B entries go to the best remaining scores of any head.
         pooled = (h * (budgets - base)).clamp(min=0)  # (b,)
+        k_safe, k_pooled = torch.stack([extra_safe.max(), pooled.max()]).tolist()  # one host read for both widths
+        others = scores.float().masked_fill(~(valid & ~prot)[:, None, :], float("-inf"))  # (b, h, t)
+        if k_safe > 0:  # those safeguard entries are taken already: out of the pooled contest
+            top = others.topk(k_safe, dim=-1).indices  # (b, h, k_safe)
+            taken = torch.arange(k_safe, device=scores.device)[None, None, :] < extra_safe[:, None, None]
+            others = others.scatter(-1, top, others.gather(-1, top).masked_fill(taken, float("-inf")))
         won = torch.zeros(b, h, dtype=torch.long, device=scores.device)
-        k = int(pooled.max())
-        if k > 0:
-            winners = others.reshape(b, h * t).topk(k, dim=-1).indices  # (b, k), best first
-            counts = (torch.arange(k, device=scores.device)[None, :] < pooled[:, None]).long()
+        if k_pooled > 0:
+            winners = others.reshape(b, h * t).topk(k_pooled, dim=-1).indices  # (b, k_pooled), best first
+            counts = (torch.arange(k_pooled, device=scores.device)[None, :] < pooled[:, None]).long()
             won.scatter_add_(1, winners // t, counts)
         # A window of at least B entries: every head keeps its B most recent window entries (the global order
         # walks the window position by position through all heads, so the cut falls on a whole position).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 from transformers import PretrainedConfig
@@ -33,6 +34,16 @@ class CompressedCache(Cache):
         ]
         super().__init__(layers=on_this_stage(layers, owned))
         self.compressor = compressor
+
+    def __deepcopy__(self, memo: dict) -> CompressedCache:
+        """A copy of the cached tensors that shares the compressor, and through it the model (transformers' prompt
+        reuse deep-copies a prefilled cache: without this the copy would hold a second model)."""
+        memo[id(self.compressor)] = self.compressor
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        for name, value in self.__dict__.items():
+            setattr(clone, name, copy.deepcopy(value, memo))
+        return clone
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self.compressor is None or not self.compressor.installed:

@@ -9,14 +9,16 @@ from transformers import PreTrainedModel
 
 from criticalkv.budget import Budget
 from criticalkv.methods import build_method
-from criticalkv.runtime.compressor import Compressor
+from criticalkv.runtime.compressor import Compressor, refuse_nesting
 from criticalkv.runtime.method import Method
 
 
 def make_compressor(
     model: PreTrainedModel, method: str | Method, budget: Budget | float | int | str, **options: object
 ) -> Compressor | None:
-    """A compressor for a preset name or a ``Method``; None for ``"full"`` (nothing to install)."""
+    """A compressor for a preset name or a ``Method``; None for ``"full"`` (nothing to install). A model inside a
+    ``compress`` block is refused, ``"full"`` included: the block's hooks would compress its run."""
+    refuse_nesting(model)
     budget = Budget.parse(budget)
     if isinstance(method, Method):
         if options:

@@ -6,7 +6,9 @@ and decides all layers together when the model's forward returns; a forward hook
 
 Nothing of transformers is patched: criticalkv registers an attention function under its own name, switches
 the model to it with ``set_attn_implementation`` and back, and a forward pre-hook on the model hands a
-``CompressedCache`` to a forward that would otherwise create a fresh ``DynamicCache``.
+``CompressedCache`` to a forward that would otherwise create a fresh ``DynamicCache``. For the block's duration the
+model's own ``generate`` is wrapped (an attribute of that model object, removed on exit) to refuse a chunked prefill,
+which no forward can tell from a whole prompt.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
 
 from criticalkv.budget import Budget
@@ -49,6 +51,13 @@ class PrefillFacts:
         if attention_mask is None or self.mask is None:
             return attention_mask is None and self.mask is None
         return self.mask() is attention_mask
+
+
+def refuse_nesting(model: PreTrainedModel) -> None:
+    """Refuse a model already inside ``criticalkv.compress(...)``: its hooks would compress whatever runs next, also
+    a run meant to keep the full cache."""
+    if model.config._attn_implementation.startswith("criticalkv_"):
+        raise CacheStateError("this model is already inside criticalkv.compress(...); blocks do not nest")
 
 
 def _require_left_padding(valid: torch.Tensor) -> None:
@@ -139,9 +148,8 @@ class Compressor:
     def __post_init__(self) -> None:
         check_supported(self.model.config)
         check_model(self.model)  # a tensor-parallel split criticalkv can compress exactly, before any forward
+        refuse_nesting(self.model)
         self.base_implementation = self.model.config._attn_implementation
-        if self.base_implementation.startswith("criticalkv_"):
-            raise CacheStateError("this model is already inside criticalkv.compress(...); blocks do not nest")
         if self.base_implementation not in attention.BASE_IMPLEMENTATIONS:
             raise UnsupportedModelError(
                 f"attention implementation {self.base_implementation!r} is not supported; "
@@ -177,21 +185,41 @@ class Compressor:
         return self._hook is not None
 
     def install(self) -> Compressor:
-        if self.model.config._attn_implementation.startswith("criticalkv_"):
-            raise CacheStateError("this model is already inside criticalkv.compress(...); blocks do not nest")
+        refuse_nesting(self.model)
         attention.register()
         for module in self.modules:
             module._criticalkv = self
         self.model.set_attn_implementation(attention.implementation_name(self.base_implementation))
         self._hook = self.model.register_forward_pre_hook(self._provide_cache, with_kwargs=True)
         self._finish_hook = self.model.register_forward_hook(self._finish_prefill, with_kwargs=True)
+        self._guard_generate()
         return self
+
+    def _guard_generate(self) -> None:
+        """Wrap the model's ``generate`` to refuse ``prefill_chunk_size``: its chunks reach the model as separate
+        forwards, and the first, into an empty cache, would be compressed as the whole context."""
+        generate = self.model.generate
+
+        def guarded(*args, **kwargs):
+            config = kwargs.get("generation_config", args[1] if len(args) > 1 else None) or self.model.generation_config
+            if kwargs.get("prefill_chunk_size", getattr(config, "prefill_chunk_size", None)) is not None:
+                raise CacheStateError(
+                    "generate(prefill_chunk_size=...) prefills the prompt chunk by chunk, and criticalkv would "
+                    "compress the first chunk as the whole context: prefill in one forward inside criticalkv.compress"
+                )
+            return generate(*args, **kwargs)
+
+        self.model.generate = guarded
+        self._generate_guard = guarded
 
     def uninstall(self) -> None:
         for hook in (self._hook, self._finish_hook):
             if hook is not None:
                 hook.remove()
         self._hook = self._finish_hook = None
+        if self.model.__dict__.get("generate") is getattr(self, "_generate_guard", None):
+            del self.model.generate  # the class's generate again
+        self._generate_guard = None
         self.pending = []
         self.model.set_attn_implementation(self.base_implementation)
         self.active_cache = None
@@ -216,6 +244,11 @@ class Compressor:
     def _provide_cache(self, module: nn.Module, args: tuple, kwargs: dict):
         if not self._finishing:  # a scorer's own forwards while a deferred prefill finishes keep that prefill's facts
             self.facts = PrefillFacts()
+        if kwargs.get("output_attentions"):
+            raise CacheStateError(
+                "output_attentions is not available inside criticalkv.compress(...): a compressed layer attends over "
+                "its kept entries with a fused kernel and returns no weights"
+            )
         if kwargs.get("use_cache") is False:
             self.active_cache = None  # this forward uses no cache: no layer of an earlier one applies
             return None
@@ -225,17 +258,29 @@ class Compressor:
             cache.compressor = self
             if not self._finishing:
                 if cache.get_seq_length() == 0:
-                    self.records.clear()  # a new prefill into the caller's own empty cache
+                    self._begin_prefill()  # into the caller's own empty cache
                 self._remember_inputs(args, kwargs)
             return None
         if cache is None or (isinstance(cache, Cache) and cache.get_seq_length() == 0):
+            if cache is not None and not _replaceable(cache):
+                raise CacheStateError(
+                    f"an empty {type(cache).__name__} was passed (a static, quantized or offloaded cache: "
+                    "cache_implementation=...); compressed layers keep a different number of entries per head, which "
+                    "only criticalkv's own cache holds: pass no cache (generate's default) inside criticalkv.compress"
+                )
             kwargs[name] = self.new_cache()
-            self.records.clear()  # a new prefill: generate(...) called again in one block keeps no earlier records
+            self._begin_prefill()  # generate(...) called again in one block keeps nothing of earlier prefills
             self._remember_inputs(args, kwargs)
             return args, kwargs
         raise CacheStateError(
             "this forward continues a cache criticalkv did not create; prefill inside criticalkv.compress(...)"
         )
+
+    def _begin_prefill(self) -> None:
+        """A new prefill: the records and the pending layers of an earlier one (a forward that raised leaves its
+        pending layers behind) are dropped."""
+        self.records.clear()
+        self.pending = []
 
     def _remember_inputs(self, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -339,6 +384,12 @@ class Compressor:
         if self._state_cache is None or self._state_cache() is not cache:
             self._state_cache, self._state = weakref.ref(cache), {}
         return self._state
+
+
+def _replaceable(cache: Cache) -> bool:
+    """Whether an empty cache may be swapped for a ``CompressedCache``: transformers' plain ``DynamicCache`` (what
+    ``generate`` creates by default), not one that offloads, nor another kind the caller chose."""
+    return type(cache) is DynamicCache and not getattr(cache, "offloading", False)
 
 
 def apply_shrink(cache: Cache, shrink: dict[int, torch.Tensor], records: list[LayerRecord]) -> None:

@@ -30,20 +30,26 @@ def keep_protected(protected: torch.Tensor, budgets: torch.Tensor) -> torch.Tens
     return protected[:, None, :] & (from_right[:, None, :] <= budgets[:, :, None])
 
 
-def open_places(keep: torch.Tensor, valid: torch.Tensor, need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """What a head can still add: candidates (b, h, t) bool (valid, not kept), each head's need capped by its
-    candidates (b, h) long, and the largest of those needs (a host read)."""
+def open_places(keep: torch.Tensor, valid: torch.Tensor, need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a head can still add: candidates (b, h, t) bool (valid, not kept) and each head's need capped by its
+    candidates (b, h) long."""
     candidates = valid[:, None, :] & ~keep
-    need = torch.minimum(need.clamp(min=0), candidates.sum(-1))
-    return candidates, need, int(need.max()) if need.numel() else 0
+    return candidates, torch.minimum(need.clamp(min=0), candidates.sum(-1))
 
 
-def take_top(scores: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
-    """Add to ``keep`` the ``need[b, h]`` best-scored valid entries it does not hold yet.
+def largest(need: torch.Tensor) -> torch.Tensor:
+    """The largest of the needs (b, h), a 0-d long tensor (0 when there are none): the ``k`` of ``add_top``, read
+    by the host (a wait for a GPU: read it together with other values where there are any)."""
+    return need.max() if need.numel() else need.new_zeros(())
 
-    scores (b, h, t) float32; keep (b, h, t) bool; valid (b, t) bool; need (b, h) long. Returns a new mask.
+
+def add_top(
+    scores: torch.Tensor, keep: torch.Tensor, candidates: torch.Tensor, need: torch.Tensor, k: int
+) -> torch.Tensor:
+    """Add to ``keep`` each head's ``need[b, h]`` best-scored ``candidates``; ``k`` >= every need (``largest``).
+
+    scores (b, h, t) float32; keep, candidates (b, h, t) bool; need (b, h) long. Returns a new mask.
     """
-    candidates, need, k = open_places(keep, valid, need)
     if k == 0:
         return keep
     ranked = scores.masked_fill(~candidates, float("-inf")).topk(k, dim=-1)  # sorted, best first
@@ -51,3 +57,16 @@ def take_top(scores: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor, need
     added = torch.zeros_like(keep)
     added.scatter_(-1, ranked.indices, take)
     return keep | added
+
+
+def take_top(
+    scores: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor, need: torch.Tensor, k: int | None = None
+) -> torch.Tensor:
+    """Add to ``keep`` the ``need[b, h]`` best-scored valid entries it does not hold yet.
+
+    scores (b, h, t) float32; keep (b, h, t) bool; valid (b, t) bool; need (b, h) long. ``k``: the largest need
+    once capped by the candidates (``open_places``), when the caller read it already; None reads it (a host read).
+    Returns a new mask.
+    """
+    candidates, need = open_places(keep, valid, need)
+    return add_top(scores, keep, candidates, need, int(largest(need)) if k is None else k)

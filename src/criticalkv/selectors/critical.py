@@ -10,7 +10,7 @@ import torch
 from criticalkv.errors import NegativeScoreError
 from criticalkv.scorers.base import LayerView
 from criticalkv.scorers.snapkv import AGGREGATES, window_head_scores
-from criticalkv.selectors.base import keep_protected, take_top
+from criticalkv.selectors.base import add_top, keep_protected, largest, open_places, take_top
 from criticalkv.selectors.norm_screen import norm_bounds, screens, take_top_by_value_norm
 from criticalkv.selectors.value_norm import projected_value_norm
 
@@ -85,22 +85,28 @@ class CriticalSelector:
     def select(
         self, scores: torch.Tensor, budgets: torch.Tensor, protected: torch.Tensor, view: LayerView
     ) -> torch.Tensor:
-        candidates = view.valid[:, None, :] & ~protected[:, None, :]
-        if bool((scores.masked_fill(~candidates, 0.0) < 0).any()):
+        keep = keep_protected(protected, budgets)
+        stage1 = torch.floor(budgets.double() * self.alpha + 1e-9).long()  # (b, h_kv)
+        open1, need1 = open_places(keep, view.valid, stage1 - keep.sum(-1))  # (b, h_kv, t), (b, h_kv)
+        # stage 1 adds exactly need1 entries, so stage 2's need (capped by what is left) is known before it runs
+        need2 = torch.minimum((budgets - keep.sum(-1) - need1).clamp(min=0), open1.sum(-1) - need1)  # (b, h_kv)
+        unprotected = view.valid[:, None, :] & ~protected[:, None, :]
+        negative = (scores.masked_fill(~unprotected, 0.0) < 0).any()
+        # the two top-k widths and the sign check in one host read (on a GPU each read is a wait)
+        k1, k2, any_negative = torch.stack([largest(need1), largest(need2), negative.long()]).tolist()
+        if any_negative:
             raise NegativeScoreError(
                 "the CriticalKV selector multiplies scores by value norms, so scores must be >= 0; "
                 "this scorer produced negative scores (e.g. a negated key norm): shift them to be non-negative "
                 "or use the top-k selector"
             )
-        keep = keep_protected(protected, budgets)
-        stage1 = torch.floor(budgets.double() * self.alpha + 1e-9).long()  # (b, h_kv)
-        keep = take_top(scores, keep, view.valid, stage1 - keep.sum(-1))
-        need = budgets - keep.sum(-1)  # (b, h_kv)
+        keep = add_top(scores, keep, open1, need1, k1)
         if self._screens(view):
             weights = self._stage2_attention(scores, view) + self.eps  # (b, h_kv, t)
             bounds = view.remember("value_norm_bounds", lambda: norm_bounds(view.values, view.o_proj_weight))
-            return take_top_by_value_norm(weights, bounds, view.values, view.o_proj_weight, keep, view.valid, need)
-        return take_top(self.stage2_scores(scores, view), keep, view.valid, need)
+            o_proj = view.o_proj_weight
+            return take_top_by_value_norm(weights, bounds, view.values, o_proj, keep, view.valid, need2, k2)
+        return take_top(self.stage2_scores(scores, view), keep, view.valid, need2, k2)
 
     def _screens(self, view: LayerView) -> bool:
         """Whether stage 2 screens the float32 norms (``screen``), unless another method already computed them (the

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from criticalkv.selectors.base import open_places, take_top
+from criticalkv.selectors.base import add_top, largest, open_places
 from criticalkv.selectors.value_norm import projected_value_norm
 
 # |N_bf16 - N_fp32| <= REL * N_bf16 + ABS_PER_DIM * d * M, with M = sum_j sum_k |V_k| |W_kj| (averaged over the group).
@@ -55,14 +55,16 @@ def take_top_by_value_norm(
     keep: torch.Tensor,
     valid: torch.Tensor,
     need: torch.Tensor,
+    k: int | None = None,
 ) -> torch.Tensor:
-    """``take_top(weights * N, keep, valid, need)`` with N the float32 ``projected_value_norm``, screened.
+    """``take_top(weights * N, keep, valid, need, k)`` with N the float32 ``projected_value_norm``, screened.
 
     weights (b, h_kv, t) float32, >= 0 on the candidates (stage 2's ``A + eps``); bounds: ``norm_bounds(values,
     o_proj_weight)``; values (b, h_kv, t, d) bfloat16; o_proj_weight (hidden, h_q * d); keep (b, h_kv, t) bool;
     valid (b, t) bool; need (b, h_kv) long. Returns the new keep mask (b, h_kv, t) bool.
     """
-    candidates, need, k = open_places(keep, valid, need)  # (b, h_kv, t), (b, h_kv), int
+    candidates, need = open_places(keep, valid, need)  # (b, h_kv, t), (b, h_kv)
+    k = int(largest(need)) if k is None else k
     if k == 0:
         return keep
     rough, slack = bounds
@@ -79,7 +81,7 @@ def take_top_by_value_norm(
         exact = projected_value_norm(picked, o_proj_weight) * weights.gather(-1, index)  # (b, h_kv, m) float32
         exact = torch.where(unsure.gather(-1, index), exact, ranking.gather(-1, index))
         ranking.scatter_(-1, index, exact)
-    return take_top(ranking, keep, valid, need)
+    return add_top(ranking, keep, candidates, need, k)
 
 
 def _settled(low: torch.Tensor, high: torch.Tensor, need: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
