@@ -49,6 +49,26 @@ def test_build_method_refuses_bad_option_values(spec, options, message):
     assert message in str(error.value)
 
 
+def test_build_method_refuses_an_option_given_twice_with_two_values():
+    """The method is named by its spec: an --option overriding its value ran under a label that said otherwise."""
+    with pytest.raises(MethodOptionError, match="alpha"):
+        build_method("critical-snapkv:alpha=0.25", alpha=0.5)
+    assert build_method("critical-snapkv:alpha=0.25", alpha=0.25, eps=0.0).selector.eps == 0.0
+    _refused(["run", "--method", "critical-snapkv:alpha=0.25", "--option", "alpha=0.5"], "another value")
+
+
+def test_an_out_that_is_a_file_is_refused_before_loading(no_model, tmp_path):
+    (tmp_path / "afile").write_text("")
+    for command in (["eval", "ruler"], ["eval", "needle"]):
+        _refused([*command, "--out", str(tmp_path / "afile")], "is a file, not a folder")
+
+
+def test_perturbation_from_json_refuses_another_file(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text('{"model": "smollm2-135m", "results": []}')  # a run --json report, say
+    _refused(["perturbation", "--from-json", str(path)], "is not a perturbation.json")
+
+
 def test_build_method_types_option_values():
     method = build_method("critical-adakv:alpha=1;safeguard=0", max_rank_imbalance=None)
     assert isinstance(method.selector.alpha, float) and isinstance(method.allocator.safeguard, float)
@@ -94,6 +114,14 @@ def test_run_json_folder_created_before_loading(tmp_path, monkeypatch):
         (["eval", "ruler", "--samples", "0"], "--samples must be >= 1, got 0"),
         (["run", "--depth", "1.5"], "--depth must be in [0, 1], got 1.5"),
         (["run", "--context-tokens", "0"], "--context-tokens must be >= 1, got 0"),
+        (["run", "--method", ","], "--method needs at least one preset"),
+        (["eval", "ruler", "--methods", ""], "--methods needs at least one method"),
+        (["eval", "ruler", "--budgets", " "], "--budgets needs at least one budget"),
+        (["eval", "ruler", "--length", "0"], "--length must be >= 1, got 0"),
+        (["eval", "needle", "--depths", "0,1.5"], "needle depths are fractions in [0, 1], got 1.5"),
+        (["eval", "needle", "--lengths", "0"], "needle lengths must be positive, got 0"),
+        (["perturbation", "--prompts", "essay"], "--prompts must be 'essays', 'essay-windows' or a text file"),
+        (["perturbation", "--window-queries", "-1"], "--window-queries must be >= 0"),
     ],
 )
 def test_nonsense_counts_refused(no_model, args, message):

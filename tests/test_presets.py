@@ -246,13 +246,25 @@ def test_unsupported_folder_refused_before_loading_weights(tmp_path: Path) -> No
         load_model(str(tmp_path))
 
 
-def test_hub_id_error_passes_through_with_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hub_id_that_cannot_be_fetched_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline, a hub id (or a mistyped preset) was an OSError with a note: a traceback in the CLI."""
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # fail fast, no retries
-    with pytest.raises(OSError) as err:
+    with pytest.raises(CriticalKVError, match="neither a preset") as err:
         load_model("some-org/not-a-model")
-    assert any("neither a preset" in note for note in getattr(err.value, "__notes__", []))
+    assert "Did you mean" not in str(err.value)
+    with pytest.raises(CriticalKVError, match="Did you mean 'smollm2-135m'"):
+        load_model("smollm2-135")
+
+
+def test_a_folder_without_weights_or_tokenizer_is_refused_before_loading(tmp_path: Path) -> None:
+    LlamaConfig(**TINY).save_pretrained(tmp_path)
+    with pytest.raises(CriticalKVError, match="holds no weights"):
+        load_model(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # never read: the tokenizer is checked first
+    with pytest.raises(CriticalKVError, match="holds no tokenizer"):
+        load_model(str(tmp_path))
 
 
 # ---------------------------------------------------------------- families

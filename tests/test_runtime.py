@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -812,6 +813,20 @@ def test_a_deep_copy_of_a_compressed_cache_shares_the_model():
         copied = model(input_ids=token, cache=clone, use_cache=True).logits
     assert clone.layers[0] is not cache.layers[0]
     torch.testing.assert_close(copied, original, rtol=0, atol=0)
+
+
+def test_a_padded_context_without_its_mask_is_warned_about():
+    """Left padding passed without the attention mask is read as context: the answers change silently."""
+    model = _model("llama")
+    ids = _ids(30, seed=55, b=2)
+    ids[1, :10] = model.generation_config.pad_token_id
+    session = ContextSession(model, "snapkv", budget=0.5)
+    with pytest.warns(UserWarning, match="pad token"):
+        session.prefill(ids)
+    mask = (ids != model.generation_config.pad_token_id).long()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        session.prefill(ids, mask)
 
 
 def test_a_kept_compressor_does_not_keep_the_cache_alive():

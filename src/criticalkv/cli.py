@@ -84,7 +84,8 @@ class RunResult:
     kv_bytes_after_compression: int
     kv_bytes_per_rank: list[int]  # after compression, on each process of a torchrun launch ([total] on one)
     layers_kept_whole: int
-    prefill_seconds: float
+    prefill_seconds: float  # the prompt's prefill (context, and in aware mode the question), compression included
+    # until the answer's first token: the question's forward in agnostic mode; in aware mode the prefill itself
     first_token_seconds: float
     decode_seconds_per_token: float
 
@@ -183,6 +184,8 @@ def _run(
     if mode not in ("aware", "agnostic"):
         raise CriticalKVError(f"--mode must be 'aware' or 'agnostic', got {mode!r}")
     at_least(max_new_tokens, 1, "--max-new-tokens")
+    if not any(m.strip() for m in method.split(",")):
+        raise CriticalKVError("--method needs at least one preset ('full' alone for the full cache)")
     methods_ = ["full"] + [m.strip() for m in method.split(",") if m.strip() and m.strip() != "full"]
     options = _parse_options(option)
     parsed_budget = Budget.parse(budget)
@@ -247,7 +250,7 @@ def _run(
                     kv_bytes_per_rank=rank_bytes,
                     layers_kept_whole=kept_whole,
                     prefill_seconds=session.prefill_seconds,
-                    first_token_seconds=generation.prefill_seconds,
+                    first_token_seconds=generation.prefill_seconds + (session.prefill_seconds if new is None else 0.0),
                     decode_seconds_per_token=generation.decode_seconds_per_token,
                 )
             )
@@ -343,10 +346,10 @@ def report(
             results_dirs = [out]
         if not (results_dirs[0] / "results.jsonl").is_file():
             raise CriticalKVError(f"no results.jsonl in {results_dirs[0]}")
+        console.print(f"wrote {write_report(results_dirs[0])}")  # a corrupted results file is refused here
     except CriticalKVError as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from None
-    console.print(f"wrote {write_report(results_dirs[0])}")
 
 
 if __name__ == "__main__":

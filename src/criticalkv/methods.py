@@ -190,10 +190,16 @@ def build_method(name: str, **options: object) -> Method | None:
     """The method of a preset, with options set on whichever piece has them (``window=64``, ``alpha=0.25``).
 
     ``name`` may be a method spec, ``"critical-snapkv:alpha=0.25;eps=0"`` (see ``parse_method_spec``); keyword
-    options override the spec's. Returns None for ``full``. Unknown names and options raise ``UnknownMethodError``.
+    options add to the spec's, and one given both ways with different values is refused (the method is named by its
+    spec). Returns None for ``full``. Unknown names and options raise ``UnknownMethodError``.
     """
     spec = name
     name, spec_options = parse_method_spec(spec)
+    clashes = sorted(k for k in spec_options.keys() & options.keys() if spec_options[k] != options[k])
+    if clashes:
+        raise MethodOptionError(
+            f"method {spec!r}: option(s) {', '.join(clashes)} given in the spec and again with another value"
+        )
     options = {**spec_options, **options}
     preset = PRESETS.get(name)
     if preset is None:

@@ -193,8 +193,8 @@ def load_results(path: Path) -> tuple[dict, list[PromptResult]]:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise CriticalKVError(f"cannot read {path}: {error}") from None
-    if "results" not in data:
-        raise CriticalKVError(f"{path} holds no per-prompt results")
+    if not isinstance(data, dict) or not {"results", "prompts", "layers", "meta"} <= data.keys():
+        raise CriticalKVError(f"{path} is not a perturbation.json (criticalkv perturbation's output)")
     results = []
     for i, info in enumerate(data["prompts"]):
         rest = {k: v for k, v in info.items() if k not in ("index", "seconds")}
@@ -364,6 +364,10 @@ def run_analysis(
         )
     if mode == "aware" and generate == 0:
         raise CriticalKVError("--mode aware with --generate 0 leaves no query after the compressed prompt")
+    if window_queries < 0:
+        raise CriticalKVError(f"--window-queries must be >= 0 (0: off), got {window_queries}")
+    if prompts not in ("essays", "essay-windows") and not Path(prompts).expanduser().exists():
+        raise CriticalKVError(f"--prompts must be 'essays', 'essay-windows' or a text file / folder, got {prompts!r}")
     out.mkdir(parents=True, exist_ok=True)
     meta: dict = {
         "command": " ".join(sys.argv),
@@ -430,12 +434,7 @@ def run_analysis(
         elif prompts == "essay-windows":
             prompt_list = essay_window_prompts(tokenizer, n, length)
         else:
-            source = Path(prompts).expanduser()
-            if not source.exists():
-                raise CriticalKVError(
-                    f"--prompts must be 'essays', 'essay-windows' or a text file / folder, got {prompts!r}"
-                )
-            prompt_list = text_prompts(tokenizer, source, n, length)
+            prompt_list = text_prompts(tokenizer, Path(prompts).expanduser(), n, length)
         eos = tokenizer.eos_token_id
         total = len(prompt_list) * len(names) * len(parsed)
         with step_progress("perturbation", total, enabled=progress, console=console) as advance:

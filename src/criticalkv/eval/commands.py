@@ -18,7 +18,7 @@ from criticalkv.distributed import launch
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.needle import encode_prompt
 from criticalkv.eval.report import write_report
-from criticalkv.eval.sweep import REGIMES, load_rows, pair_label, run_sweep
+from criticalkv.eval.sweep import REGIMES, check_out_folder, load_rows, pair_label, run_sweep
 from criticalkv.methods import build_method
 from criticalkv.models.families import check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP
@@ -65,9 +65,19 @@ def _capped(default: Callable[[Any], int], cap: int) -> Callable[[Any], int]:
 def _methods(text: str) -> list[str]:
     """The comma-separated method specs, each built once so a bad name or option fails before the model loads."""
     names = _split(text)
+    if not names:
+        raise CriticalKVError("--methods needs at least one method (the full cache always runs as the reference)")
     for name in names:
         build_method(name)
     return names
+
+
+def _budgets(text: str) -> list[Budget]:
+    """The comma-separated budgets, at least one."""
+    parsed = [Budget.parse(b) for b in _split(text)]
+    if not parsed:
+        raise CriticalKVError("--budgets needs at least one budget")
+    return parsed
 
 
 def _fail(error: Exception) -> None:
@@ -102,15 +112,17 @@ def ruler(
 
     try:
         at_least(samples, 1, "--samples")
+        at_least(length, 1, "--length")
         at_least(max_new_tokens, 0, "--max-new-tokens")
         chosen = _split(tasks) or list(ruler_data.TASKS)
         unknown = [t for t in chosen if t not in ruler_data.TASKS]
         if unknown:
             raise CriticalKVError(f"unknown RULER task(s) {unknown}; tasks: {', '.join(ruler_data.TASKS)}")
-        parsed = [Budget.parse(b) for b in _split(budgets)]
+        parsed = _budgets(budgets)
         names = _methods(methods)
         regime = "aware" if question_aware else "agnostic"
         folder = out or Path("results") / f"ruler-{Path(model).name}-{length}-{regime}"
+        check_out_folder(folder)
         loaded, tokenizer = launch.load_model(model, device=device)
         max_length = check_length(loaded.config, length)
 
@@ -182,7 +194,7 @@ def needle(
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
 ) -> None:
     """Needle in a haystack over depths x lengths: one heatmap per method."""
-    from criticalkv.eval.needle_grid import needle_grid, plot_heatmap
+    from criticalkv.eval.needle_grid import check_grid, needle_grid, plot_heatmap
 
     try:
         parsed = Budget.parse(budget)
@@ -190,6 +202,8 @@ def needle(
         regime = "aware" if question_aware else "agnostic"
         folder = out or Path("results") / f"needle-{Path(model).name}-{regime}"
         grid = {"lengths": parse_numbers(lengths, int, "--lengths"), "depths": parse_numbers(depths, float, "--depths")}
+        check_grid(grid["lengths"], grid["depths"])  # before the model loads
+        check_out_folder(folder)
         loaded, tokenizer = launch.load_model(model, device=device)
         check_length(loaded.config, max(grid["lengths"], default=0), "--lengths")
         cells = needle_grid(tokenizer, grid["lengths"], grid["depths"], seed)
@@ -261,10 +275,11 @@ def longbench(
         at_least(max_length, 1, "--max-length")
         at_least(max_new_tokens, 0, "--max-new-tokens")
         groups = longbench_run.read_datasets(data, _split(datasets))
-        parsed = [Budget.parse(b) for b in _split(budgets)]
+        parsed = _budgets(budgets)
         names = _methods(methods)
         regime = "aware" if question_aware else "agnostic"
         folder = out or Path("results") / f"longbench-{Path(model).name}-{max_length}-{regime}"
+        check_out_folder(folder)
         loaded, tokenizer = launch.load_model(model, dtype=dtype, device=device)
         with console.status(f"truncating and encoding the prompts of {len(groups)} dataset(s)"):
             items = longbench_run.longbench_items(tokenizer, groups, samples, max_length)

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from criticalkv.errors import CriticalKVError
-from criticalkv.eval.sweep import SETTINGS_FILE, Row, load_rows, stored_settings
+from criticalkv.eval.sweep import SETTINGS_FILE, Row, check_out_folder, load_rows, stored_settings
 
 
 def merge_sweeps(folders: list[Path], out: Path, methods: list[str] | None = None) -> int:
@@ -19,9 +19,10 @@ def merge_sweeps(folders: list[Path], out: Path, methods: list[str] | None = Non
     seed, ...). A (regime, task, index, method, budget) answered in several folders is kept once, and only if every
     folder gave the same answer: two answers that differ mean other settings or other code (or, for rows answered
     with ``--batch-answers``, bfloat16 rounding), and the merge refuses them rather than choose.
+
+    ``out`` must be a new or empty folder, or at least one without a sweep: the merge never overwrites results.
     """
-    if out.resolve() in {folder.resolve() for folder in folders}:
-        raise CriticalKVError(f"--out {out} is one of the folders to merge: choose a new folder")
+    _check_out(folders, out)
     settings = {folder: stored for folder in folders if (stored := stored_settings(folder)) is not None}
     if len({json.dumps(s, sort_keys=True) for s in settings.values()}) > 1:
         listed = "; ".join(f"{folder}: {s}" for folder, s in settings.items())
@@ -51,3 +52,16 @@ def merge_sweeps(folders: list[Path], out: Path, methods: list[str] | None = Non
     if settings:
         (out / SETTINGS_FILE).write_text(json.dumps(next(iter(settings.values())), indent=2) + "\n")
     return len(rows)
+
+
+def _check_out(folders: list[Path], out: Path) -> None:
+    """Refuse an ``out`` that is a file, one of ``folders``, or another sweep's folder (its rows would be lost)."""
+    check_out_folder(out)
+    if out.resolve() in {folder.resolve() for folder in folders}:
+        raise CriticalKVError(f"--out {out} is one of the folders to merge: choose a new folder")
+    held = [name for name in ("results.jsonl", SETTINGS_FILE) if (out / name).exists()]
+    if held:
+        raise CriticalKVError(
+            f"--out {out} already holds a sweep ({', '.join(held)}): the merge would overwrite it; "
+            "choose a new or empty folder"
+        )

@@ -63,6 +63,18 @@ def needle_grid(
         Empty or duplicate lengths or depths, a length <= 0 or not above the needle's own length, a depth
         outside [0, 1].
     """
+    check_grid(lengths, depths)
+    cells = []
+    for length in lengths:
+        for depth in depths:
+            sample = build_needle_sample(tokenizer, length, depth=depth, seed=seed + len(cells))
+            cells.append(NeedleCell(length=length, depth=depth, sample=sample))
+    return cells
+
+
+def check_grid(lengths: Sequence[int], depths: Sequence[float]) -> None:
+    """What ``needle_grid`` refuses without a tokenizer (so a command can refuse it before loading a model): empty
+    or repeated lengths or depths, a length <= 0, a depth outside [0, 1]."""
     if not lengths or not depths:
         raise CriticalKVError("needle_grid needs at least one length and one depth.")
     if len(set(lengths)) != len(lengths) or len(set(depths)) != len(depths):
@@ -70,14 +82,9 @@ def needle_grid(
     for depth in depths:
         if not 0.0 <= depth <= 1.0:
             raise CriticalKVError(f"needle depths are fractions in [0, 1], got {depth}.")
-    cells = []
     for length in lengths:
         if length <= 0:
             raise CriticalKVError(f"needle lengths must be positive, got {length}.")
-        for depth in depths:
-            sample = build_needle_sample(tokenizer, length, depth=depth, seed=seed + len(cells))
-            cells.append(NeedleCell(length=length, depth=depth, sample=sample))
-    return cells
 
 
 def _length_label(length: int) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -30,6 +31,10 @@ from criticalkv.runtime.shared_prefill import SharedPrefill
 REGIMES = ("agnostic", "aware")
 FULL_PAIR = ("full", "full", Budget(1.0))  # (label, method, budget): the reference every sweep answers
 SETTINGS_FILE = "sweep.json"  # a sweep folder's settings (``run_sweep``'s ``settings``)
+
+
+class IncompleteRowWarning(UserWarning):
+    """A results.jsonl whose last line was cut short (a run killed while writing it): the line is dropped."""
 
 
 class Sample(Protocol):
@@ -129,7 +134,8 @@ def run_sweep(
         repeated = sorted({label for label in labels if labels.count(label) > 1})
         raise CriticalKVError(f"(method, budget) pairs given twice: {', '.join(repeated)}")
     layout = ParallelLayout.of(model)  # under torchrun every rank answers every sample; rank 0 writes
-    conflict = layout.from_main(_settings_conflict(out_dir, settings) if layout.is_main else None)
+    problem = (_out_folder_problem(out_dir) or _settings_conflict(out_dir, settings)) if layout.is_main else None
+    conflict = layout.from_main(problem)
     if conflict:
         raise CriticalKVError(conflict)
     path = out_dir / "results.jsonl"
@@ -247,6 +253,29 @@ def _sink(path: Path, writes: bool) -> Iterator[TextIO]:
         yield sink
 
 
+def check_out_folder(path: Path) -> None:
+    """Refuse an --out that cannot be a folder (a file, or inside one) before any work, such as loading a model.
+
+    A folder that does not exist yet is fine: the sweep creates it.
+    """
+    problem = _out_folder_problem(path)
+    if problem:
+        raise CriticalKVError(problem)
+
+
+def _out_folder_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be (or become) a folder; None when it can. The nearest existing path must be a folder."""
+    for existing in (path, *path.parents):
+        if not existing.exists():
+            continue
+        if existing.is_dir():
+            return None
+        if existing == path:
+            return f"--out {path} is a file, not a folder: give a folder (new, or a sweep's to resume it)"
+        return f"--out {path} is inside {existing}, which is a file, not a folder: give another --out"
+    return None
+
+
 def _settings_conflict(out_dir: Path, settings: dict | None) -> str | None:
     """Why the folder's ``sweep.json`` forbids resuming with ``settings``; None when it allows it.
 
@@ -279,14 +308,18 @@ def stored_settings(folder: Path) -> dict | None:
 
 
 def _answered(path: Path, regime: str) -> dict[tuple[str, int], set[str]]:
-    """The pairs (labels) that answered each sample of this regime on disk: a resumed run answers only the rest."""
+    """The pairs (labels) that answered each sample of this regime on disk: a resumed run answers only the rest.
+
+    Makes the file ready for appending: an incomplete last line (a killed run's) is cut off, and a missing final
+    newline added, so the next row starts a line of its own.
+    """
     if not path.exists():
         return {}
+    rows, cut = _read_results(path)
+    if cut is not None:
+        path.write_text(cut)
     seen: dict[tuple[str, int], set[str]] = {}
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for row in rows:
         if row["regime"] == regime:
             label = pair_label(row["method"], Budget.parse(row["budget"]))
             seen.setdefault((row["task"], row["index"]), set()).add(label)
@@ -294,5 +327,43 @@ def _answered(path: Path, regime: str) -> dict[tuple[str, int], set[str]]:
 
 
 def load_rows(path: Path) -> list[Row]:
-    """Rows of a results.jsonl file."""
-    return [Row(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    """Rows of a results.jsonl file (without an incomplete last line: ``_read_results``)."""
+    rows, _ = _read_results(path)
+    return [Row(**row) for row in rows]
+
+
+def _read_results(path: Path) -> tuple[list[dict], str | None]:
+    """The rows of a results.jsonl as dicts, and the text to rewrite it with before appending (None: as it is).
+
+    A last line without its newline that is not JSON is what a run killed mid-write leaves: it is dropped with an
+    ``IncompleteRowWarning`` (resuming answers that pair again). Any other line that is not JSON is corruption.
+    """
+    text = path.read_text()
+    *complete, last = text.split("\n")  # last: "" when the file ends with a newline, else its unfinished line
+    rows = []
+    for number, line in enumerate(complete, 1):
+        if line.strip():
+            rows.append(_parse_row(path, number, line))
+    if not last.strip():
+        return rows, None
+    try:
+        rows.append(json.loads(last))
+    except json.JSONDecodeError:
+        warnings.warn(
+            f"{path}: line {len(complete) + 1} is incomplete (a run stopped while writing it); it is dropped, and "
+            "that sample will be answered again when the sweep resumes",
+            IncompleteRowWarning,
+            stacklevel=3,
+        )
+        return rows, text[: len(text) - len(last)]
+    return rows, text + "\n"  # a complete last row without its newline: the next row must not join its line
+
+
+def _parse_row(path: Path, number: int, line: str) -> dict:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as error:
+        raise CriticalKVError(
+            f"{path}: line {number} is not a JSON row ({error.msg}): the file is corrupted; fix or delete that "
+            "line (the sweep answers its sample again), or use another --out"
+        ) from None

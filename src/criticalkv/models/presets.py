@@ -8,6 +8,7 @@ it into ``<cache>/models/<preset>`` (config.json + bfloat16 safetensors + tokeni
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -350,6 +351,26 @@ def _as_dtype(dtype: torch.dtype | str, auto: torch.dtype | str) -> torch.dtype 
     return value
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin")  # transformers' checkpoint files, sharded or not
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "tokenizer_config.json")
+
+
+def check_model_files(folder: Path) -> None:
+    """Refuse a model folder that lacks weights or a tokenizer, before anything is loaded from it (a folder without
+    weights failed deep inside transformers; one without a tokenizer only after the weights loaded, with a message
+    about sentencepiece)."""
+    if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise CriticalKVError(f"'{folder}' holds no weights ({' or '.join(WEIGHT_FILES)}).")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise CriticalKVError(f"'{folder}' holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}).")
+
+
+def _closest_preset(name: str) -> str:
+    """`` Did you mean 'smollm2-135m'?`` for a name close to a preset, else ''."""
+    close = difflib.get_close_matches(name, list(PRESETS), n=1, cutoff=0.6)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
 def load_model(
     name_or_path: str = DEFAULT_PRESET,
     dtype: torch.dtype | str = "auto",
@@ -405,14 +426,15 @@ def load_model(
         source = name_or_path  # hub id
     try:
         config = AutoConfig.from_pretrained(source)
-    except OSError as err:
-        err.add_note(
-            f"criticalkv: '{name_or_path}' is neither a preset ({', '.join(PRESETS)}) nor a local folder, "
-            "and the model hub is unreachable offline. Use a preset or a folder with config.json "
-            "(set HF_HUB_OFFLINE=1 to skip the network retries)."
-        )
-        raise
+    except OSError as err:  # a hub id that cannot be fetched: offline, a typo, a private repository
+        raise CriticalKVError(
+            f"'{name_or_path}' is neither a preset nor a local folder, and the model hub did not give its config "
+            f"({str(err).splitlines()[0]}).{_closest_preset(name_or_path)} Presets: {', '.join(PRESETS)}; or a folder "
+            "with config.json, weights and tokenizer (set HF_HUB_OFFLINE=1 to skip the network retries)."
+        ) from err
     check_supported(config)
+    if not is_preset and Path(source).is_dir():
+        check_model_files(Path(source))
     if distributed_config is not None:
         from criticalkv.distributed.layout import check_even_heads, check_parallel_split
 

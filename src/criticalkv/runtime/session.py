@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -107,8 +108,20 @@ class ContextSession:
     # --- phases ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Prefill (and compress) the context: input_ids (b, t), left-padded if rows differ. Returns the last
-        position's logits (b, vocab)."""
+        """Prefill (and compress) the context: input_ids (b, t), left-padded if rows differ, with their
+        ``attention_mask`` (b, t) (None: every token is real). Returns the last position's logits (b, vocab)."""
+        pad = self.model.generation_config.pad_token_id
+        if (
+            attention_mask is None
+            and input_ids.shape[0] > 1
+            and pad is not None
+            and bool((input_ids[:, 0] == pad).any())
+        ):
+            warnings.warn(
+                f"a row of the batch starts with the pad token ({pad}) and no attention_mask was given: padding is "
+                "read as context; pass the tokenizer's attention_mask",
+                stacklevel=2,
+            )
         self.cache = self.compressor.new_cache() if self.compressor else full_cache(self.model)
         # Sliding-window layers (Gemma 3) drop what leaves their window unless told to keep it for a rewind.
         self.cache.activate_past_recording()
