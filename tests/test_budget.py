@@ -76,6 +76,7 @@ def test_kind_flags():
     assert not Budget(0.99).keeps_everything
     assert str(Budget(0.2)) == "0.2"
     assert str(Budget(512)) == "512 entries per head"
+    assert str(Budget(1)) == "1 entry per head"
 
 
 def test_entries_for_fraction_floors():

@@ -829,6 +829,17 @@ def test_a_padded_context_without_its_mask_is_warned_about():
         session.prefill(ids, mask)
 
 
+def test_an_empty_context_or_target_list_is_a_clear_error():
+    from criticalkv.errors import CriticalKVError
+    from criticalkv.runtime.shared_prefill import SharedPrefill
+
+    model = _model("llama")
+    with pytest.raises(CriticalKVError, match="context is empty"):
+        ContextSession(model, "snapkv", budget=0.5).prefill(_ids(0))
+    with pytest.raises(ValueError, match="at least one"):
+        SharedPrefill(model, [])
+
+
 def test_a_kept_compressor_does_not_keep_the_cache_alive():
     model = _model("llama")
     with criticalkv.compress(model, "adakv", budget=0.5) as compressor:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from criticalkv.analysis.command import parse_pairs
-from criticalkv.errors import CriticalKVError, UnknownMethodError
+from criticalkv.errors import CriticalKVError, MethodOptionError, UnknownMethodError
 from criticalkv.methods import build_method, parse_method_spec, parse_option_value
 from criticalkv.scorers import LayerView, SnapKVScorer
 from criticalkv.scorers.base import window_attention
@@ -184,7 +184,9 @@ def test_method_specs_parse_and_build():
     assert method.scorer.aggregate == "max" and method.selector.aggregate == "max"  # both pieces, in step
     assert method.selector.value_norm == "per_head" and method.selector.alpha == 0.75
     assert method.name == "critical-snapkv:aggregate=max;value_norm=per_head"
-    assert build_method("critical-snapkv:alpha=0.25", alpha=0.5).selector.alpha == 0.5  # keywords win
+    assert build_method("critical-snapkv:alpha=0.25", alpha=0.25).selector.alpha == 0.25  # the same value again
+    with pytest.raises(MethodOptionError):  # another value: the spec would name a method it is not
+        build_method("critical-snapkv:alpha=0.25", alpha=0.5)
     for bad in ("critical-snapkv:alpha", "critical-snapkv:=1", "snapkv:alpha=0.25", "nope:alpha=1"):
         with pytest.raises(UnknownMethodError):
             build_method(bad)

@@ -85,4 +85,6 @@ class Budget:
         return torch.minimum(n, lengths)
 
     def __str__(self) -> str:
-        return f"{self.value:g}" if self.is_fraction else f"{self.value} entries per head"
+        if self.is_fraction:
+            return f"{self.value:g}"
+        return f"{self.value} {'entry' if self.value == 1 else 'entries'} per head"

@@ -137,7 +137,7 @@ def run(
     depth: Annotated[float, typer.Option(help="Needle depth in [0, 1].")] = 0.5,
     seed: Annotated[int, typer.Option(help="Seed of the needle prompt.")] = 0,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per answer.")] = 24,
-    dtype: Annotated[str, typer.Option(help="auto, bfloat16 or float32.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto, bfloat16, float16 or float32.")] = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
     option: Annotated[list[str] | None, typer.Option(help="Method option key=value, e.g. window=64.")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write every figure to this JSON file.")] = None,
@@ -280,11 +280,12 @@ def _print(results: list[RunResult], model_name: str, mode: str, budget: Budget,
         title += f" · tensor-parallel {layout.tp_size} x pipeline {layout.pp_size}"
         columns.insert(5, "KV MiB per rank (max)")
     table = Table(*columns, title=title)
+    table.columns[0].overflow = "fold"  # a method spec is read whole, on several lines when the terminal is narrow
     for r in results:
         found = "" if r.found is None else ("[green]yes[/green]" if r.found else "[red]no[/red]")
         kept = f"{r.kept_entries:,} ({100 * r.kept_fraction:.1f}%)"
         if r.layers_kept_whole:
-            kept += f", {r.layers_kept_whole} layers kept whole (context too short)"
+            kept += f", {r.layers_kept_whole} layers kept whole (the context within the budget or the window)"
         mib = f"{r.kv_bytes_full / 2**20:.1f} -> {r.kv_bytes_after_compression / 2**20:.1f}"
         cells = [r.method, r.answer[:60], found, kept, mib]
         if layout.distributed:

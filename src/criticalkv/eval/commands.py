@@ -262,7 +262,7 @@ def longbench(
     max_new_tokens: Annotated[int, typer.Option(help="Cap on generated tokens (0: THUDM's per dataset).")] = 0,
     out: Annotated[Path | None, typer.Option(help="Results folder (resumes if it has results).")] = None,
     batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = False,
-    dtype: Annotated[str, typer.Option(help="auto, bfloat16 or float32.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto, bfloat16, float16 or float32.")] = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
 ) -> None:
     """LongBench v1 (English and code) from local files: THUDM's prompts, truncation and metrics, every method and

@@ -433,13 +433,14 @@ def load_model(
             "with config.json, weights and tokenizer (set HF_HUB_OFFLINE=1 to skip the network retries)."
         ) from err
     check_supported(config)
-    if not is_preset and Path(source).is_dir():
-        check_model_files(Path(source))
     if distributed_config is not None:
         from criticalkv.distributed.layout import check_even_heads, check_parallel_split
 
         check_parallel_split(distributed_config.tp_size, distributed_config.pp_size)
         check_even_heads(config, distributed_config.tp_size)
+    if not is_preset and Path(source).is_dir():
+        check_model_files(Path(source))
+    if distributed_config is not None:
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=torch_dtype, attn_implementation=attn_implementation, distributed_config=distributed_config
         )

@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
 from criticalkv.distributed.layout import on_this_stage, stage_layers
+from criticalkv.errors import CriticalKVError
 from criticalkv.runtime.api import make_compressor
 from criticalkv.runtime.compressor import Compressor
 from criticalkv.runtime.method import Method
@@ -110,6 +111,8 @@ class ContextSession:
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Prefill (and compress) the context: input_ids (b, t), left-padded if rows differ, with their
         ``attention_mask`` (b, t) (None: every token is real). Returns the last position's logits (b, vocab)."""
+        if input_ids.shape[-1] == 0:
+            raise CriticalKVError("the context is empty: prefill needs at least one token")
         pad = self.model.generation_config.pad_token_id
         if (
             attention_mask is None

@@ -52,6 +52,8 @@ class SharedPrefill(Compressor):
     """
 
     def __init__(self, model: PreTrainedModel, targets: list[tuple[str, str | Method, Budget | float | int | str]]):
+        if not targets:
+            raise ValueError("SharedPrefill needs at least one (label, method, budget) target")
         built = []
         for label, method, budget in targets:
             m = method if isinstance(method, Method) else build_method(method)
