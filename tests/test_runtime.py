@@ -883,6 +883,14 @@ def test_unsupported_models():
     )
     with pytest.raises(UnsupportedModelError), criticalkv.compress(only_sliding, "snapkv", budget=0.5):
         only_sliding(_ids(10))
+    moe_window = AutoModelForCausalLM.from_config(  # Qwen3-MoE's window, when on, covers every layer
+        Qwen3MoeConfig(
+            **_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, use_sliding_window=True, sliding_window=6
+        ),
+        attn_implementation="sdpa",
+    )
+    with pytest.raises(UnsupportedModelError, match="sliding-window"), criticalkv.compress(moe_window, "snapkv", 0.5):
+        moe_window(_ids(10))
 
 
 def test_continuing_a_foreign_cache_is_refused():
