@@ -2,11 +2,13 @@
 
 import json
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from test_merge import SETTINGS, _folder
+from test_sweep import Toy, _tiny_model
+from transformers import LlamaConfig
 from typer.testing import CliRunner
 
 from criticalkv.budget import Budget
@@ -15,29 +17,9 @@ from criticalkv.errors import CriticalKVError
 from criticalkv.eval.merge import merge_sweeps
 from criticalkv.eval.sweep import IncompleteRowWarning, Row, check_out_folder, load_rows, run_sweep
 
-SETTINGS = {"benchmark": "ruler", "model": "toy", "length": 256, "seed": 0, "max_new_tokens": 0}
-
-
-@dataclass
-class Toy:
-    task: str
-    index: int
-    context: str
-    question: str
-    answer_prefix: str
-    answer: str
-
 
 def _row(index, method, budget, prediction="Paris"):
     return Row("qa_1", index, "agnostic", method, budget, 0.0, prediction, 100, 1.0 if method == "full" else budget)
-
-
-def _folder(path, rows, settings=SETTINGS):
-    path.mkdir()
-    (path / "results.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in rows))
-    if settings is not None:
-        (path / "sweep.json").write_text(json.dumps(settings))
-    return path
 
 
 def _report(*args):
@@ -48,16 +30,7 @@ def _report(*args):
 def _sweep_setup(tiny_tokenizer, out_dir):
     """A 2-layer float32 Llama, four toy samples, and run_sweep's keyword arguments for one pair into ``out_dir``."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(tiny_tokenizer),
-        max_position_embeddings=2048,
-    )
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    model = _tiny_model(LlamaConfig, tiny_tokenizer, max_position_embeddings=2048)
     words = "the grass is green the sky is blue the sun is yellow".split()  # noqa: SIM905
     samples = [
         Toy("toy", i, " ".join(words[(i + j) % len(words)] for j in range(100)), "what is blue?", "it is", "sky")

@@ -312,6 +312,7 @@ def longbench(
             },
             encode=lambda item: (item.prefix_ids, item.suffix_ids),
             stop=partial(longbench_run.stop_rule, tokenizer, loaded.generation_config.eos_token_id),
+            raw_predictions=True,  # THUDM scores the decoded text as it is (a code line's indentation counts)
         )
     except CriticalKVError as error:
         _fail(error)

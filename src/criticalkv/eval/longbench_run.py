@@ -41,7 +41,9 @@ __all__ = [
 ]
 
 
-PROTOCOL = 3  # the version of THUDM's protocol this module follows, kept in a run's sweep.json (see commands)
+# The version of THUDM's protocol this module follows, kept in a run's sweep.json (see commands). 4: predictions
+# scored (and stored) as decoded, not stripped; 3: non-samsum answers end at the model's generation_config eos.
+PROTOCOL = 4
 
 
 @dataclass(frozen=True)

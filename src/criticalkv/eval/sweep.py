@@ -99,6 +99,7 @@ def run_sweep(
     settings: dict | None = None,
     encode: Encoder | None = None,
     stop: Callable[[Sample], StopRule] | None = None,
+    raw_predictions: bool = False,
 ) -> list[Row]:
     """Answer every sample with the full cache and every (method, budget) pair; append rows to results.jsonl.
 
@@ -118,6 +119,10 @@ def run_sweep(
     first alone, the question-aware one both. By default it is ``encode_prompt`` on a ``ChatSample``'s fields.
 
     ``stop`` gives a sample's ``StopRule``; by default every answer ends at the tokenizer's end-of-sequence token.
+
+    A prediction is the decoded answer with its surrounding whitespace stripped (RULER's and the needle's scorers
+    strip it too); with ``raw_predictions`` as decoded (LongBench: THUDM scores the raw text, and the indentation of
+    a code line counts in ``code_sim_score``).
     """
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
@@ -167,6 +172,7 @@ def run_sweep(
                 stop(sample),
                 layout,
                 batch_answers,
+                raw_predictions,
             )
             if unrecorded is not None:  # with the first row: a run that fails before leaves no settings
                 _record_settings(out_dir, unrecorded)
@@ -196,6 +202,7 @@ def _answer(
     stop: StopRule,
     layout: ParallelLayout,
     batch_answers: bool,
+    raw_predictions: bool,
 ) -> list[Row]:
     """The rows of ``pairs`` for one sample of prompt ``ids`` (context ids, question ids); the full cache is
     prefilled in any case (the kept fractions' base)."""
@@ -214,7 +221,8 @@ def _answer(
             question, max_new_tokens=max_new_tokens, eos_token_id=stop.token_ids, min_new_tokens=stop.min_new_tokens
         )
         for label, tokens in zip(group, generation.tokens, strict=True):
-            texts[label] = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            texts[label] = text if raw_predictions else text.strip()
             batched[label] = len(group) > 1
     return [
         Row(
