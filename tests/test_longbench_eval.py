@@ -85,6 +85,14 @@ def test_read_datasets_from_a_folder_or_a_file(data: Path, tmp_path: Path) -> No
     assert list(longbench_run.read_datasets(mixed)) == ["trec", "qasper"]
     assert list(longbench_run.read_datasets(mixed, ["qasper"])) == ["qasper"]
 
+    # the published folder holds LongBench-E's files beside LongBench's: read only when named
+    published = tmp_path / "published"
+    published.mkdir()
+    _write(published / "hotpotqa.jsonl", [_record("hotpotqa", 0)])
+    _write(published / "hotpotqa_e.jsonl", [_record("hotpotqa", 1) | {"dataset": "hotpotqa_e"}])
+    assert list(longbench_run.read_datasets(published)) == ["hotpotqa"]
+    assert list(longbench_run.read_datasets(published, ["hotpotqa_e"])) == ["hotpotqa_e"]
+
 
 @pytest.mark.parametrize(
     ("names", "message"),

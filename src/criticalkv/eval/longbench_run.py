@@ -66,7 +66,9 @@ def read_datasets(path: Path, names: Sequence[str] = ()) -> dict[str, list[LongB
         A LongBench JSONL file (possibly of several datasets), or a folder of ``<dataset>.jsonl`` files as
         published (files of datasets outside ``DATASETS``, such as the Chinese ones, are left alone).
     names : sequence of str
-        Datasets to keep; empty: every dataset of the file, or every supported file of the folder.
+        Datasets to keep; empty: every dataset of the file, or every LongBench (v1) file of the folder. The
+        published folder holds LongBench-E's ``<dataset>_e.jsonl`` beside them: read only when named (their
+        length-bucketed scores, THUDM's ``scorer_e``, are not computed: a plain mean, as for the others).
 
     Raises
     ------
@@ -80,7 +82,7 @@ def read_datasets(path: Path, names: Sequence[str] = ()) -> dict[str, list[LongB
         raise CriticalKVError(f"LongBench data not found: {path}")
     if path.is_dir():
         files = [path / f"{name}.jsonl" for name in names] or sorted(
-            f for f in path.glob("*.jsonl") if f.stem.removesuffix("_e") in DATASETS
+            f for f in path.glob("*.jsonl") if f.stem in DATASETS
         )
         missing = [f.name for f in files if not f.is_file()]
         if missing:
