@@ -154,6 +154,41 @@ def test_vectorised_equals_per_head_loop(shape):
         torch.testing.assert_close(got, ref[i], rtol=1e-4, atol=1e-5)
 
 
+def _layer_reference(query, keys, values, keep, weight, scaling, follow_keys, follow_values, valid):
+    """Obviously correct: the layer's attention output, heads concatenated and multiplied by o_proj, with the full
+    cache and with the kept entries; the L1 norm of their difference per (row, query): (b, f)."""
+    b, h_q, f, _ = query.shape
+    g = h_q // keys.shape[1]
+    out = torch.zeros(b, f, dtype=torch.float64)
+    for row in range(b):
+        for j in range(f):
+            full, kept_out = [], []
+            for head in range(h_q):
+                kv = head // g
+                ks = torch.cat([keys[row, kv], follow_keys[row, kv, : j + 1]]).double()
+                vs = torch.cat([values[row, kv], follow_values[row, kv, : j + 1]]).double()
+                allowed = torch.cat([valid[row], torch.ones(j + 1, dtype=torch.bool)])
+                kept = torch.cat([keep[row, kv] & valid[row], torch.ones(j + 1, dtype=torch.bool)])
+                logits = (ks @ query[row, head, j].double()) * scaling
+                full.append(torch.softmax(logits.masked_fill(~allowed, -torch.inf), -1) @ vs)
+                kept_out.append(torch.softmax(logits.masked_fill(~kept, -torch.inf), -1) @ vs)
+            o_proj = weight.double()  # (hidden, h_q * d): the layer's output is o_proj(concatenated heads)
+            out[row, j] = (o_proj @ torch.cat(full) - o_proj @ torch.cat(kept_out)).abs().sum()
+    return out.float()
+
+
+def test_layer_output_change_equals_o_proj_of_the_concatenated_heads():
+    """The per-layer figure is the attention block's output change (heads summed through o_proj), which head
+    changes can partly cancel: at most the sum of the heads' perturbations."""
+    for shape in (dict(b=2, h_kv=2, g=3, t=25, f=4, padding=6), dict(b=1, h_kv=3, g=2, t=40, f=2, d=16, hidden=20)):
+        q, k, v, w, fk, fv, valid, keep, scaling = _random_layer(2, **shape)
+        hp = head_perturbation(q, k, v, keep, w, scaling, fk, fv, valid)
+        torch.testing.assert_close(hp.layer_perturbation, _layer_reference(q, k, v, keep, w, scaling, fk, fv, valid),
+                                   rtol=1e-4, atol=1e-5)  # fmt: skip
+        assert bool((hp.layer_perturbation <= hp.perturbation.sum(1) * (1 + 1e-5)).all())
+        assert bool((hp.layer_perturbation < hp.perturbation.sum(1)).any())  # heads cancel in part
+
+
 def test_causal_context_queries_equal_following_queries():
     """Context queries at known positions (the window subset) read the context causally: the same figures as the
     same tokens treated as following tokens over the shorter context, when the kept set holds them."""
@@ -409,8 +444,12 @@ def test_command_end_to_end(tiny_folder, tmp_path):
     for by_budget in data["summary"]["bounds"].values():
         for bounds in by_budget.values():
             assert bounds["bound_violations_paper"] == 0 and bounds["runtime_kept_same_set"] == 1.0
+    layer_output = data["results"]["critical-snapkv"]["48"]["layer_output"]["all"]
+    assert len(layer_output) == 2 and len(layer_output[0]) == 2  # prompt x layer
+    assert len(data["summary"]["per_layer_output"]["snapkv"]["0.5"]["all"]) == 2
+    assert all(0.0 <= p["layer_output"]["fraction_b_lower"] <= 1.0 for p in data["summary"]["pairs"])
     assert set(data["exhaustive"]["selectors"]) == {"topk", "critical", "measured"}
-    for name in ("layers", "hidden", "hist_snapkv_vs_critical-snapkv", "heatmap_snapkv_vs_streaming"):
+    for name in ("layers", "layer_output", "hidden", "hist_snapkv_vs_critical-snapkv", "heatmap_snapkv_vs_streaming"):
         assert (out / f"{name}.png").stat().st_size > 1000, name
     # the summary and figures again from the JSON alone, for another pair
     again = CliRunner().invoke(_app(), ["perturbation", "--from-json", str(out / "perturbation.json"),

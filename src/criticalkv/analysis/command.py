@@ -177,6 +177,10 @@ def _payload(meta, results: list[PromptResult], methods, budgets, pairs, h_kv, e
                         for q, r0 in results[0].heads[(name, budget)].items()
                     },
                     "per_prompt": [r.scalars[(name, budget)] for r in results],
+                    "layer_output": {
+                        s: [r.layer_output[(name, budget)][s] for r in results]
+                        for s in results[0].layer_output.get((name, budget), {})
+                    },
                 }
                 for budget in budgets
             }
@@ -208,6 +212,10 @@ def load_results(path: Path) -> tuple[dict, list[PromptResult]]:
                 result.scalars[(name, budget)] = {
                     k: math.nan if v is None else v for k, v in entry["per_prompt"][i].items()
                 }
+                if entry.get("layer_output"):  # runs before it was measured have none
+                    result.layer_output[(name, budget)] = {
+                        s: np.array(v[i], dtype=np.float64) for s, v in entry["layer_output"].items()
+                    }
         results.append(result)
     return data, results
 
@@ -249,6 +257,10 @@ def _plots(out: Path, results: list[PromptResult], summary: dict, methods, budge
         written.append(plot_ratio_heatmap(heads, layers, a, b, out / f"heatmap_{stem}.png"))
     per_layer = {m: {bud: summary["per_layer"][m][bud]["all"] for bud in budgets} for m in methods}
     written.append(plot_layers(per_layer, layers, out / "layers.png"))
+    if "per_layer_output" in summary:  # runs measured before the layer output have none
+        per_output = {m: {bud: summary["per_layer_output"][m][bud]["all"] for bud in budgets} for m in methods}
+        ylabel, title = "mean ||sum_h (o_h - ô_h) W_O^h||_1", "the attention block's output change per layer"
+        written.append(plot_layers(per_output, layers, out / "layer_output.png", title, ylabel))
     hidden = {m: {bud: summary["hidden"][m][bud].get("hidden_l1_all", math.nan) for bud in budgets} for m in methods}
     if all(any(math.isfinite(v) for v in by.values()) for by in hidden.values()):
         written.append(plot_hidden(hidden, out / "hidden.png"))
@@ -256,13 +268,12 @@ def _plots(out: Path, results: list[PromptResult], summary: dict, methods, budge
 
 
 def _print_summary(summary: dict, methods, budgets) -> None:
-    table = Table(
-        "A", "B", "budget", "heads B<A", "median log10 B/A", "mean B / mean A", "(prompt,layer,head) B<A", "hidden B<A"
-    )
+    columns = ["A", "B", "budget", "heads B<A", "median log10 B/A", "mean B / mean A", "(prompt,layer,head) B<A"]
+    table = Table(*columns, "layer outputs B<A", "hidden B<A")
     for row in summary["pairs"]:
         if row["subset"] != "all":
             continue
-        h, hp, hs = row["heads"], row["heads_per_prompt"], row.get("hidden_state")
+        h, hp, hs, lo = row["heads"], row["heads_per_prompt"], row.get("hidden_state"), row.get("layer_output")
         table.add_row(
             row["a"],
             row["b"],
@@ -271,6 +282,7 @@ def _print_summary(summary: dict, methods, budgets) -> None:
             f"{h['median_log10_ratio']:+.3f}",
             f"{h['ratio_of_means']:.3f}",
             f"{100 * hp['fraction_b_lower']:.1f}%",
+            f"{lo['fraction_b_lower'] * lo['n']:.0f}/{lo['n']}" if lo else "-",
             f"{hs['fraction_b_lower'] * hs['n']:.0f}/{hs['n']}" if hs else "-",
         )
     if summary["pairs"]:

@@ -104,6 +104,9 @@ class HeadPerturbation:
     bound_tight: torch.Tensor  # ||sum_D A_i u_i||_1 + (1/sigma - 1) ||sum_S A_i u_i||_1
     kept_mass: torch.Tensor  # sigma = sum_{i in S} A_i
     total: torch.Tensor  # C = sum_i a_i over every entry (the paper's constant; the bound with nothing useful kept)
+    # (b, f): the layer's attention output change ||sum_h (o_h - ô_h) W_O^h||_1 (after o_proj, heads summed: their
+    # changes can cancel, so it is at most the sum of the heads' L)
+    layer_perturbation: torch.Tensor | None = None
     compressed_output: torch.Tensor | None = None  # ô (b, h_q, f, d), when asked for
 
 
@@ -195,6 +198,7 @@ class LayerAttention:
         renorm = torch.softmax(self.logits.masked_fill(~kept, float("-inf")), dim=-1).nan_to_num(0.0)
         compressed = torch.einsum("bkgfn,bknd->bkgfd", renorm, self.values_all)
         loss = self._project_l1(self.output - compressed)
+        layer = torch.einsum("bkgfd,kgdh->bfh", self.output - compressed, self.w).abs().sum(-1)  # (b, f)
         kept_attention = self.attention * kept
         sigma = kept_attention.sum(-1)  # (b, h_kv, G, f)
         # 1/sigma - 1 >= 0; sigma can round to just above 1 when everything is kept
@@ -210,6 +214,7 @@ class LayerAttention:
             tight.reshape(b, h_q, f),
             sigma.reshape(b, h_q, f),
             total.reshape(b, h_q, f),
+            layer,
             compressed.reshape(b, h_q, f, d) if return_output else None,
         )
 
@@ -346,6 +351,8 @@ class PromptResult:
     info: dict
     layers: list[int]
     heads: dict[tuple[str, str], dict[str, dict[str, np.ndarray]]] = field(default_factory=dict)
+    # ``layer_output[key][subset]`` (layers,): the attention block's output change, heads summed after o_proj
+    layer_output: dict[tuple[str, str], dict[str, np.ndarray]] = field(default_factory=dict)
     scalars: dict[tuple[str, str], dict[str, object]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -405,6 +412,7 @@ def measure_prompt(
             key = (name, budget_label(budget))
             layer_keeps = [kept_mask(method, view, budget) for view in views]
             figures = {q: {s: [] for s in SUBSETS} for q in ("perturbation", "bound_paper", "bound_tight", "kept_mass")}
+            layer_output: dict[str, list[float]] = {s: [] for s in SUBSETS}
             violations = {"paper": 0, "tight": 0}
             below_half = 0
             checked = 0
@@ -416,6 +424,8 @@ def measure_prompt(
                             values = getattr(hp, q)
                             for s, select in subsets.items():
                                 figures[q][s].append(_mean_over(values, select))
+                        for s, select in subsets.items():
+                            layer_output[s].append(float(_mean_over(hp.layer_perturbation[:, None], select)[0]))
                         if "window" in subsets:  # the diagnostic window: its own figures only, not the counts
                             continue
                         slack = violation_slack(hp)
@@ -427,6 +437,9 @@ def measure_prompt(
             result.heads[key] = {
                 q: {s: np.stack(v) if v else np.full((len(analysed), h_q), np.nan) for s, v in per.items()}
                 for q, per in figures.items()
+            }
+            result.layer_output[key] = {
+                s: np.array(v) if v else np.full(len(analysed), np.nan) for s, v in layer_output.items()
             }
             kept = sum(int(k.sum()) for k in layer_keeps)
             total = sum(int(c.valid.sum()) * c.keys.shape[1] for c in analysed)
@@ -560,6 +573,15 @@ def _compare_hidden(results, a_key, b_key, subset) -> dict | None:
     return {"mean_a": float(nanmean(a)), "mean_b": float(nanmean(b)), **compare(a, b)}
 
 
+def _compare_layer_output(results, a_key, b_key, subset) -> dict | None:
+    """Layer-by-layer comparison of the attention output change (prompt means); None for results without it."""
+    if not all(a_key in r.layer_output and b_key in r.layer_output for r in results):
+        return None
+    a = nanmean(np.stack([r.layer_output[a_key][subset] for r in results]), 0)  # (layers,)
+    b = nanmean(np.stack([r.layer_output[b_key][subset] for r in results]), 0)
+    return compare(a, b)
+
+
 def summarise(
     results: Sequence[PromptResult],
     methods: Sequence[str],
@@ -588,6 +610,7 @@ def summarise(
                         "heads_per_prompt": compare(a, b),  # (prompt, layer, head)
                         "kv_heads": compare(nanmean(group_mean(a, h_kv), 0), nanmean(group_mean(b, h_kv), 0)),
                         "layers": compare(nanmean(nanmean(a, 0), 1), nanmean(nanmean(b, 0), 1)),  # layer means
+                        "layer_output": _compare_layer_output(results, (a_name, budget), (b_name, budget), subset),
                         "hidden_state": _compare_hidden(results, (a_name, budget), (b_name, budget), subset),
                     }
                 )
@@ -598,6 +621,10 @@ def summarise(
             summary["per_layer"][name][budget] = {
                 s: nanmean(nanmean(stack(results, key, "perturbation", s), 0), 1).tolist() for s in subsets
             }
+            if all(key in r.layer_output for r in results):
+                summary.setdefault("per_layer_output", {}).setdefault(name, {})[budget] = {
+                    s: nanmean(np.stack([r.layer_output[key][s] for r in results]), 0).tolist() for s in subsets
+                }
             scalars = [r.scalars[key] for r in results]
             summary["hidden"][name][budget] = {
                 k: float(nanmean(np.array([s[k] for s in scalars], dtype=np.float64)))

@@ -61,10 +61,14 @@ def plot_ratio_histogram(
 
 
 def plot_layers(
-    per_layer: Mapping[str, Mapping[str, Sequence[float]]], layers: Sequence[int], path: Path, title: str = ""
+    per_layer: Mapping[str, Mapping[str, Sequence[float]]],
+    layers: Sequence[int],
+    path: Path,
+    title: str = "",
+    ylabel: str = "mean ||(o - ô) W_O^h||_1",
 ) -> Path:
     """Mean perturbation per layer (log y), one line per method, one panel per budget.
-    ``per_layer[method][budget]`` is the per-layer mean."""
+    ``per_layer[method][budget]`` is the per-layer mean (of the heads' figure, or of the layer's own)."""
     budgets = list(next(iter(per_layer.values())).keys())
     rows, cols = _columns(len(budgets))
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
@@ -74,7 +78,7 @@ def plot_layers(
             ax.plot(layers, np.where(y > 0, y, np.nan), marker="o", ms=3, lw=1.2, label=method)
         ax.set_yscale("log")
         ax.set_xlabel("layer")
-        ax.set_ylabel("mean ||(o - ô) W_O^h||_1")
+        ax.set_ylabel(ylabel, fontsize=8)
         ax.set_title(f"budget {budget}", fontsize=9)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
