@@ -413,7 +413,8 @@ def run_analysis(
         console.print(
             f"exhaustive check ({exhaustive_trials} random heads, n={exhaustive_entries}, b={exhaustive_budget}): "
             f"ratio to optimum, mean/median: top-k {s['topk']['mean_ratio']:.3f}/{s['topk']['median_ratio']:.3f}, "
-            f"critical {s['critical']['mean_ratio']:.3f}/{s['critical']['median_ratio']:.3f}; "
+            f"critical {s['critical']['mean_ratio']:.3f}/{s['critical']['median_ratio']:.3f}, "
+            f"measured {s['measured']['mean_ratio']:.3f}/{s['measured']['median_ratio']:.3f}; "
             f"critical better than top-k in {100 * exhaustive['fraction_critical_better']:.0f}% of trials",
             markup=False,
         )
