@@ -158,6 +158,7 @@ class Compressor:
         self.modules = attention_modules(self.model)
         self._hook = None
         self._finish_hook = None
+        self._generate_guard: Callable | None = None  # the model's generate wrapped while installed
         self.pending: list[PendingLayer] = []  # layers of a deferred method during a prefill
         self._inputs: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # the prefill's ids and mask
         self._finishing = False  # forwards run by a scorer while finishing a deferred prefill
@@ -217,7 +218,7 @@ class Compressor:
             if hook is not None:
                 hook.remove()
         self._hook = self._finish_hook = None
-        if self.model.__dict__.get("generate") is getattr(self, "_generate_guard", None):
+        if self._generate_guard is not None and self.model.__dict__.get("generate") is self._generate_guard:
             del self.model.generate  # the class's generate again
         self._generate_guard = None
         self.pending = []
