@@ -202,6 +202,24 @@ def test_task_within_window_and_answers_hold(smollm2_tokenizer, task: str) -> No
 
 @needs_ruler_data
 @pytest.mark.model
+@pytest.mark.parametrize("task", ["niah_single_1", "fwe"])
+def test_reserving_the_answer_sizes_prompt_and_answer_to_the_length(smollm2_tokenizer, task) -> None:
+    """RULER's max_seq_length holds the prompt and the generated tokens: with reserve_answer a 4k niah prompt has
+    at most 4096 - 128 tokens."""
+    (reserved,) = generate(task, smollm2_tokenizer, LENGTH, 1, reserve_answer=True)
+    room = LENGTH - ruler.TOKENS_TO_GENERATE[task]
+    assert math.ceil(room * (1 - ruler.LENGTH_TOLERANCE)) <= reserved.prompt_tokens <= room
+    assert reserved.prompt_tokens == prompt_tokens(smollm2_tokenizer, reserved)
+    (plain,) = generate(task, smollm2_tokenizer, LENGTH, 1)
+    assert reserved.prompt_tokens < plain.prompt_tokens
+    if task.startswith("niah"):
+        assert reserved.answers == plain.answers  # the same needle in a shorter haystack
+    with pytest.raises(CriticalKVError, match="no room"):
+        generate(task, smollm2_tokenizer, ruler.TOKENS_TO_GENERATE[task], 1, reserve_answer=True)
+
+
+@needs_ruler_data
+@pytest.mark.model
 def test_cwe_below_4k_uses_fewer_repeats(smollm2_tokenizer) -> None:
     (sample,) = generate("cwe", smollm2_tokenizer, 2048, 1)
     assert math.ceil(2048 * (1 - ruler.LENGTH_TOLERANCE)) <= sample.prompt_tokens <= 2048

@@ -102,6 +102,10 @@ def ruler(
     samples: Annotated[int, typer.Option(help="Samples per task.")] = 20,
     question_aware: Annotated[bool, typer.Option(help="Compress the question with the context.")] = False,
     max_new_tokens: Annotated[int, typer.Option(help="Cap on generated tokens (0: RULER's per task).")] = 0,
+    reserve_answer: Annotated[
+        bool,
+        typer.Option(help="Size prompts so prompt and answer fit --length, as RULER's max_seq_length does."),
+    ] = False,
     seed: Annotated[int, typer.Option(help="Seed of the generated samples.")] = 0,
     out: Annotated[Path | None, typer.Option(help="Results folder (resumes if it has results).")] = None,
     batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = False,
@@ -130,7 +134,9 @@ def ruler(
             every = [
                 s
                 for task in chosen
-                for s in ruler_data.generate(task, tokenizer, length, samples, seed=seed, max_length=max_length)
+                for s in ruler_data.generate(
+                    task, tokenizer, length, samples, seed=seed, max_length=max_length, reserve_answer=reserve_answer
+                )
             ]
 
         budget_of = _capped(lambda sample: ruler_data.TOKENS_TO_GENERATE[sample.task], max_new_tokens)
@@ -152,6 +158,7 @@ def ruler(
                 "length": length,
                 "seed": seed,
                 "max_new_tokens": max_new_tokens,
+                **({"reserve_answer": True} if reserve_answer else {}),  # absent: the folders made before it
             },
         )
     except CriticalKVError as error:

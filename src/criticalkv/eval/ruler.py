@@ -4,8 +4,8 @@ Our own generator following the recipe of RULER (github hsiehjackson/RULER, ``sc
 and ``scripts/data/synthetic/*.py``): the same haystacks, needles, word lists, question and answer-prefix
 templates, sized so that the whole chat-templated prompt -- context, question and answer prefix, as
 ``encode_prompt`` builds it -- is at most ``length`` tokens and at least
-``(1 - LENGTH_TOLERANCE) * length``. (RULER's ``max_seq_length`` also reserves the generated tokens;
-``TOKENS_TO_GENERATE`` gives RULER's generation length per task.)
+``(1 - LENGTH_TOLERANCE) * length``. (RULER's ``max_seq_length`` also reserves the generated tokens,
+``TOKENS_TO_GENERATE`` per task: ``generate(..., reserve_answer=True)``, ``eval ruler --reserve-answer``.)
 
 Context and question are stored apart, so both regimes can be run: question-agnostic (the context,
 with the task's instructions, is prefilled and compressed before the question is seen) and
@@ -640,6 +640,7 @@ def generate(
     seed: int = 0,
     *,
     max_length: int | None = None,
+    reserve_answer: bool = False,
 ) -> list[RulerSample]:
     """Generate ``n`` samples of a RULER task whose prompts are about ``length`` tokens.
 
@@ -660,6 +661,10 @@ def generate(
         ``generate(..., n=k + 1)``).
     max_length : int, optional
         The model's maximum context; default ``tokenizer.model_max_length``.
+    reserve_answer : bool
+        Size the prompt so that prompt and answer fit ``length``, as RULER's ``max_seq_length`` does: the target
+        becomes ``length - TOKENS_TO_GENERATE[task]`` (128 for niah at 4k: prompts of at most 3968 tokens). False
+        (the default, and every published run of this project): the prompt alone is about ``length`` tokens.
 
     Returns
     -------
@@ -684,8 +689,10 @@ def generate(
         source = "max_length" if max_length is not None else "tokenizer.model_max_length"
         raise CriticalKVError(f"length {length} exceeds the model's maximum context of {limit} tokens ({source}).")
     measure = _measure(tokenizer)
-    hi = length
-    lo = min(hi, math.ceil(length * (1 - LENGTH_TOLERANCE)))
+    hi = length - TOKENS_TO_GENERATE[task] if reserve_answer else length
+    if hi <= 0:
+        raise CriticalKVError(f"length {length} leaves no room for a prompt beside {task}'s answer.")
+    lo = min(hi, math.ceil(hi * (1 - LENGTH_TOLERANCE)))
     questions: list[int] = []
     if spec.family == "qa":
         questions = list(range(len(_qa_data(spec.dataset)[1])))
