@@ -166,6 +166,8 @@ def test_context_longer_than_the_model_refused_before_prefill(short_model, tmp_p
     ("args", "message"),
     [
         (["run", "--context-file", "/nonexistent.txt", "--question", "hi"], "--context-file /nonexistent.txt is not"),
+        (["run", "--context-file", __file__, "--question", "hi", "--depth", "0.2"], "not a --context-file"),
+        (["run", "--context-file", __file__, "--question", "hi", "--context-tokens", "99"], "not a --context-file"),
         (["perturbation", "--from-json", "/nonexistent.json"], "cannot read /nonexistent.json"),
         (["perturbation", "--n", "0", "--exhaustive-check", "--exhaustive-entries", "20"], "<= 16, got 200, 4, 20"),
         (["perturbation", "--n", "0", "--exhaustive-check", "--exhaustive-trials", "0"], "got 0, 4, 12"),

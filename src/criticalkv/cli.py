@@ -121,6 +121,9 @@ def _document(tokenizer, context_file: Path | None, questions: list[str], contex
     return sample.context, [(q, sample.answer, sample.answer_prefix) for q in asked]
 
 
+NEEDLE_TOKENS, NEEDLE_DEPTH = 4096, 0.5  # run's generated needle prompt, without --context-file
+
+
 @app.command()
 def run(
     model: Annotated[str, typer.Option(help="Preset name, local folder or hub id.")] = DEFAULT_PRESET,
@@ -133,8 +136,12 @@ def run(
     ),
     context_file: Annotated[Path | None, typer.Option(help="A text file to use as the context.")] = None,
     question: Annotated[list[str] | None, typer.Option(help="A question (repeatable).")] = None,
-    context_tokens: Annotated[int, typer.Option(help="Length of the generated needle prompt.")] = 4096,
-    depth: Annotated[float, typer.Option(help="Needle depth in [0, 1].")] = 0.5,
+    context_tokens: Annotated[
+        int | None, typer.Option(help="Length of the generated needle prompt (default 4096; not with --context-file).")
+    ] = None,
+    depth: Annotated[
+        float | None, typer.Option(help="Needle depth in [0, 1] (default 0.5; not with --context-file).")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the needle prompt.")] = 0,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per answer.")] = 24,
     dtype: Annotated[str, typer.Option(help="auto, bfloat16, float16 or float32.")] = "auto",
@@ -197,6 +204,10 @@ def _run(
         raise CriticalKVError(f"--context-file {context_file} is not a file")
     if context_file is not None and not questions:
         raise CriticalKVError("--context-file needs at least one --question")
+    if context_file is not None and (context_tokens is not None or depth is not None):
+        raise CriticalKVError("--context-tokens and --depth shape the generated needle prompt, not a --context-file")
+    context_tokens = NEEDLE_TOKENS if context_tokens is None else context_tokens
+    depth = NEEDLE_DEPTH if depth is None else depth
     if context_file is None and not 0.0 <= depth <= 1.0:  # the needle's settings, checked before loading the model
         raise CriticalKVError(f"--depth must be in [0, 1], got {depth}")
     if context_file is None:
