@@ -720,12 +720,14 @@ def test_right_padding_is_refused(method):
 
 
 @pytest.mark.parametrize("method", ["snapkv", "critical-adakv"])
-def test_assisted_decoding_is_refused_once_compressed(method):
+def test_assisted_decoding_is_refused_inside_a_block(method):
     """Its first forward holds the prompt and the drafts, which compression would keep as context."""
     model = _model("llama")
     ids = _ids(12, seed=45).repeat(1, 4)  # repetitive, so prompt lookup finds drafts
-    with pytest.raises(ValueError, match="cache that can be cropped"), criticalkv.compress(model, method, budget=0.5):
+    with pytest.raises(CacheStateError, match="assisted decoding"), criticalkv.compress(model, method, budget=0.5):
         model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=4)
+    with pytest.raises(CacheStateError, match="assisted decoding"), criticalkv.compress(model, method, budget=0.5):
+        model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, assistant_model=model)
 
 
 def test_chunked_prefill_is_refused_and_generate_restored():

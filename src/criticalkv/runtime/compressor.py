@@ -8,7 +8,7 @@ Nothing of transformers is patched: criticalkv registers an attention function u
 the model to it with ``set_attn_implementation`` and back, and a forward pre-hook on the model hands a
 ``CompressedCache`` to a forward that would otherwise create a fresh ``DynamicCache``. For the block's duration the
 model's own ``generate`` is wrapped (an attribute of that model object, removed on exit) to refuse a chunked prefill,
-which no forward can tell from a whole prompt.
+which no forward can tell from a whole prompt, and assisted decoding.
 """
 
 from __future__ import annotations
@@ -197,16 +197,27 @@ class Compressor:
         return self
 
     def _guard_generate(self) -> None:
-        """Wrap the model's ``generate`` to refuse ``prefill_chunk_size``: its chunks reach the model as separate
-        forwards, and the first, into an empty cache, would be compressed as the whole context."""
+        """Wrap the model's ``generate`` to refuse ``prefill_chunk_size`` (its chunks reach the model as separate
+        forwards, and the first, into an empty cache, would be compressed as the whole context) and assisted decoding
+        (its drafts would be compressed with the prompt), each with a message that says so."""
         generate = self.model.generate
 
         def guarded(*args, **kwargs):
             config = kwargs.get("generation_config", args[1] if len(args) > 1 else None) or self.model.generation_config
-            if kwargs.get("prefill_chunk_size", getattr(config, "prefill_chunk_size", None)) is not None:
+
+            def given(name: str) -> bool:
+                return kwargs.get(name, getattr(config, name, None)) is not None
+
+            if given("prefill_chunk_size"):
                 raise CacheStateError(
                     "generate(prefill_chunk_size=...) prefills the prompt chunk by chunk, and criticalkv would "
                     "compress the first chunk as the whole context: prefill in one forward inside criticalkv.compress"
+                )
+            if given("assistant_model") or given("prompt_lookup_num_tokens"):
+                raise CacheStateError(
+                    "assisted decoding (assistant_model, prompt_lookup_num_tokens) is not available inside "
+                    "criticalkv.compress(...): its first forward holds the prompt and the drafts, which would be "
+                    "compressed as context, and a compressed cache cannot be cropped back"
                 )
             return generate(*args, **kwargs)
 
