@@ -1,4 +1,4 @@
-"""CriticalKV's perturbation-constrained selection (Feng et al., ICML 2026), method.md section 2."""
+"""CriticalKV's perturbation-constrained selection (Feng et al., ICML 2026); docs/method.md."""
 
 from __future__ import annotations
 

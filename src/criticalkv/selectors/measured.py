@@ -1,7 +1,8 @@
 """A selector whose objective is the output perturbation itself, measured on the observation window's queries.
 
-CriticalKV minimises an upper bound of the perturbation (method.md section 2). ``PerturbationSelector`` starts from
-a kept set (top-k, or CriticalKV's) and improves it by swaps judged on the perturbation they cause, per KV head:
+CriticalKV minimises an upper bound of the perturbation (docs/perturbation.md, section 2). ``PerturbationSelector``
+starts from a kept set (top-k, or CriticalKV's) and improves it by swaps judged on the perturbation they cause, per
+KV head:
 
     L(S) = sum_{g in group} sum_{q in window} || (o_gq - ô_gq(S)) W_O^g ||_1
     o_gq = sum_i A_gqi V_i                  (every entry; A: softmax attention of window query q, query head g)
