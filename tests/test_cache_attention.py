@@ -344,6 +344,20 @@ def test_joined_layer_splits_for_another_path_and_reorders():
     )
 
 
+def test_a_single_segment_split_back_keeps_no_joined_buffer():
+    """Batch 1 with one KV head: the joined buffer's front is contiguous, so the flat context read back was a view of
+    the whole buffer, its tail room included, and the layer held more than ``nbytes`` said."""
+    layer, _, _ = _compressed(1, 1, 20, 4, _uniform_keep(1, 1, 20, 6, seed=3))
+    step = torch.randn(1, 1, 1, 4)
+    layer.update(step, step, 0)
+    layer.joined_states()
+    context = layer.context_keys  # split back to the flat layout
+    assert context.untyped_storage().nbytes() == context.nbytes == 6 * 4 * context.element_size()
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (
+        layer.context_keys, layer.context_values, layer.keys, layer.values)}  # fmt: skip
+    assert sum(held.values()) == layer.nbytes() - layer.lengths.nbytes
+
+
 def test_uniform_path_with_a_tail_not_the_layers_own():
     """A caller's own tail (not what ``update`` returned) is attended for that call only: the same output as the
     padded path, and the layer's stored tail is unchanged."""

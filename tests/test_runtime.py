@@ -371,6 +371,32 @@ def test_gemma3_sliding_layers_left_uncompressed(capture_decisions):
 
 
 @pytest.mark.parametrize("method", ["critical-snapkv", "full"])
+def test_sliding_layers_free_the_prompt_after_the_prefill(method):
+    """transformers' sliding layer keeps its window as a slice of the whole prompt's keys: that storage stayed alive
+    (and uncounted: the byte figures read the slice) until the first decode step. The window is copied at the end of
+    the prefill, and bytes are counted by storage."""
+    from criticalkv.cache.compressed_cache import storage_bytes
+    from criticalkv.runtime.shared_prefill import SharedPrefill
+
+    model = _model("gemma3")
+    ids = _ids(40, seed=5)
+    options = {"window": 8} if method != "full" else {}
+    session = ContextSession(model, method, budget=0.25, **options)
+    session.prefill(ids)
+    sliding = session.cache.layers[0]
+    assert sliding.keys.untyped_storage().nbytes() == sliding.keys.nbytes  # the window alone, not 40 positions
+    with criticalkv.compress(model, "critical-snapkv", budget=0.25, window=8):
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+    assert cache.layers[0].keys.untyped_storage().nbytes() == cache.layers[0].keys.nbytes
+    shared = SharedPrefill(model, [("a", "snapkv", 0.25), ("b", "critical-snapkv", 0.25)]).prefill(ids)
+    assert all(
+        s.cache.layers[0].keys.untyped_storage().nbytes() == s.cache.layers[0].keys.nbytes for s in shared.values()
+    )
+    whole = torch.zeros(2, 40, 16)
+    assert storage_bytes([whole[:, -5:], whole[:, :3]]) == whole.nbytes  # a view counts its storage, once
+
+
+@pytest.mark.parametrize("method", ["critical-snapkv", "full"])
 def test_gemma3_session_ask_twice(method, capture_decisions):
     model = _model("gemma3")
     ids, question = _ids(40, seed=5), _ids(3, seed=6)

@@ -17,6 +17,25 @@ if TYPE_CHECKING:
     from criticalkv.runtime.compressor import Compressor
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the storages behind ``tensors``, each storage once: what they keep allocated. A view (transformers'
+    sliding layer keeps its window as a slice of the whole prompt's keys) counts its whole storage."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(storages.values())
+
+
+def release_views(layers) -> None:
+    """Copy each transformers layer's keys and values that are views of a larger storage (a sliding layer's window,
+    sliced from the prompt's keys by ``update`` and ``crop``), so that storage is freed: (b, h_kv, w, d) each."""
+    for layer in layers:
+        if isinstance(layer, CompressedLayer) or not getattr(layer, "is_initialized", False):
+            continue
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if tensor is not None and tensor.untyped_storage().nbytes() > tensor.nbytes:
+                setattr(layer, name, tensor.clone())
+
+
 class CompressedCache(Cache):
     """A cache whose full-attention layers can be compressed right after their prefill.
 
@@ -61,14 +80,19 @@ class CompressedCache(Cache):
                 layer.compact()
 
     def nbytes(self) -> int:
-        """Bytes of key/value storage held by every layer (capacity, including sliding layers)."""
+        """Bytes of key/value storage held by every layer (capacity, including sliding layers, counted by the
+        storages they keep: ``storage_bytes``)."""
         total = 0
         for layer in self.layers:
             if isinstance(layer, CompressedLayer):
                 total += layer.nbytes()
             elif getattr(layer, "is_initialized", False) and layer.keys is not None:  # DummyLayer: no keys
-                total += layer.keys.nbytes + layer.values.nbytes
+                total += storage_bytes([layer.keys, layer.values])
         return total
+
+    def release_views(self) -> None:
+        """Free the prompt-sized storages the sliding layers' windows still view (``release_views``)."""
+        release_views(self.layers)
 
     def entries(self) -> int:
         """(batch, layer, head, token) entries held, summed over every layer."""

@@ -119,8 +119,8 @@ class CompressedLayer(CacheLayerMixin):
         keys, values = self._joined
         b, h, _, d = keys.shape
         width = self.uniform_width()
-        self._context_keys = keys[:, :, :width].reshape(b * h * width, d)  # a copy unless the tail has no room
-        self._context_values = values[:, :, :width].reshape(b * h * width, d)
+        self._context_keys = _own(keys[:, :, :width].reshape(b * h * width, d), keys)
+        self._context_values = _own(values[:, :, :width].reshape(b * h * width, d), values)
         self.keys, self.values = keys[:, :, width:].clone(), values[:, :, width:].clone()  # capacity kept
         self._joined = None
 
@@ -380,3 +380,12 @@ def as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return mask
     return mask > torch.finfo(mask.dtype).min / 2
+
+
+def _own(part: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """``part`` (a reshape of the front of ``buffer``) with a storage of its own size. The reshape copies when the
+    segments are not contiguous; with one segment (batch 1, one KV head) it is a view, which would keep the whole
+    buffer, the tail's room included, alive."""
+    if part.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() and part.nbytes < buffer.nbytes:
+        return part.clone()
+    return part

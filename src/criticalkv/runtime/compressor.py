@@ -299,6 +299,9 @@ class Compressor:
         self._inputs = (ids, kwargs.get("attention_mask"))
 
     def _finish_prefill(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        cache = self.active_cache
+        if cache is not None and not self._finishing:
+            cache.release_views()  # sliding layers' windows sliced from the prompt: the prompt's storage is freed
         if not self.pending or self._finishing:
             return
         self._finishing = True

@@ -12,6 +12,7 @@ from transformers.cache_utils import Cache
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
+from criticalkv.cache.compressed_cache import release_views, storage_bytes
 from criticalkv.distributed.layout import on_this_stage, stage_layers
 from criticalkv.errors import CriticalKVError
 from criticalkv.runtime.api import make_compressor
@@ -137,6 +138,7 @@ class ContextSession:
         self.prefill_seconds = time.perf_counter() - start
         self.context_length = input_ids.shape[1]
         self.cache.crop(0)  # sliding layers trim back to their window now that the context is in
+        release_views(self.cache.layers)  # ... and their window stops holding the whole prompt's storage
         self.last_logits = logits
         return logits
 
@@ -202,7 +204,7 @@ class ContextSession:
         """Bytes of key/value storage the cache holds now."""
         if hasattr(self.cache, "nbytes"):
             return self.cache.nbytes()
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self._filled_layers())
+        return sum(storage_bytes([layer.keys, layer.values]) for layer in self._filled_layers())
 
     def kv_entries(self) -> int:
         """(batch, layer, head, token) entries the cache holds now."""
