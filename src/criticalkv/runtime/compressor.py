@@ -236,6 +236,7 @@ class Compressor:
         self.model.set_attn_implementation(self.base_implementation)
         self.active_cache = None
         self._state_cache, self._state, self.facts = None, {}, PrefillFacts()  # a kept compressor holds no cache
+        self._inputs = (None, None)  # nor the last prefill's ids and mask
         for module in self.modules:
             module.__dict__.pop("_criticalkv", None)
 
