@@ -63,6 +63,8 @@ OPTIONAL_FIGURES = (  # on a GPU; with --count-ops; under compression (runs made
     "prefill_dispatched_ops",
     "prefill_host_reads",
     "prefill_dispatched_ops_gpu_blocks",
+    "prefill_launching_ops",
+    "prefill_launching_ops_gpu_blocks",
     "compression_cpu_seconds",
     "prefill_minor_faults",
 )
@@ -143,6 +145,7 @@ def measure_ours(args: argparse.Namespace) -> list[dict]:
             with gpu_block_sizes():
                 as_on_gpu = count_prefill_ops(model, ids, DynamicCache(config=model.config))
             ops["prefill_dispatched_ops_gpu_blocks"] = as_on_gpu["prefill_dispatched_ops"]
+            ops["prefill_launching_ops_gpu_blocks"] = as_on_gpu["prefill_launching_ops"]
     shared = {
         "system": "ours",
         "method": args.single,

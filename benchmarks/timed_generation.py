@@ -7,9 +7,9 @@ Time: wall-clock seconds and this process's CPU seconds (``time.process_time``).
 time is the figure to read on a machine that other jobs share: it counts only what this process computed. On a GPU
 only the wall clock means anything.
 
-Operators (``count_prefill_ops``): the aten operators one prefill dispatches, each about one kernel launch on a
-GPU, and those whose result the host reads (``.item()``, ``nonzero``, ``bool(tensor)``, indexing by a boolean mask),
-each a wait for the GPU.
+Operators (``count_prefill_ops``): the aten operators one prefill dispatches, those among them that run a kernel (not
+views or bare allocations: about one launch each on a GPU), and those whose result the host reads (``.item()``,
+``nonzero``, ``bool(tensor)``, ``Tensor.tolist``, indexing by a boolean mask), each a wait for the GPU.
 On a small model on a GPU the prefill is bound by these launches, not by arithmetic: the count explains times
 that the arithmetic does not, and it can be taken on a CPU.
 
@@ -39,6 +39,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ALLOCATORS = ("mmap", "glibc", "retain")  # settings of glibc's allocator for a measurement process (child_environment)
 HOST_READS = ("_local_scalar_dense", "nonzero", "is_nonzero", "equal")  # operators whose result the host waits for
 MASK_INDEXING = ("index", "index_put", "index_put_")  # with a boolean index these count its True entries first
+# Operators that are neither views (``OpOverload.is_view``) nor run a kernel: metadata and bare allocations
+NO_KERNEL = (
+    "_unsafe_view",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "lift_fresh",
+)
 _RETAIN = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**62)}  # glibc: never mmap, never trim
 
 
@@ -131,6 +141,7 @@ class _OperatorCount(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
+        self.launches = 0  # the operators that run a kernel: not views, not bare allocations
         self.host_reads = 0
         self._tolist = None
 
@@ -150,8 +161,10 @@ class _OperatorCount(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
         self.total += 1
-        self.host_reads += _reads_host(func.__name__.split(".")[0], args)
+        self.launches += not (func.is_view or name in NO_KERNEL)
+        self.host_reads += _reads_host(name, args)
         return func(*args, **(kwargs or {}))
 
 
@@ -176,7 +189,11 @@ def count_prefill_ops(
     counter = _OperatorCount()
     with prefill_scope(), counter:
         model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{_cache_argument(model): cache})
-    return {"prefill_dispatched_ops": counter.total, "prefill_host_reads": counter.host_reads}
+    return {
+        "prefill_dispatched_ops": counter.total,
+        "prefill_launching_ops": counter.launches,
+        "prefill_host_reads": counter.host_reads,
+    }
 
 
 PHASE_MODULES = {"self_attn": "attention", "mlp": "mlp"}  # decoder-layer submodules by their attribute name

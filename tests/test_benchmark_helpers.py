@@ -350,6 +350,7 @@ def test_prefill_operator_count_sees_compression_and_host_reads(tiny_tokenizer) 
     with criticalkv.compress(model, "snapkv", 0.5):
         snap = count_prefill_ops(model, ids, DynamicCache(config=config))
     assert full["prefill_host_reads"] == 0 and full["prefill_dispatched_ops"] > 0
+    assert 0 < full["prefill_launching_ops"] < full["prefill_dispatched_ops"]  # views and allocations launch nothing
     assert snap["prefill_dispatched_ops"] > full["prefill_dispatched_ops"]
     # per compressed layer two (the top-k width, the kept counts), and per forward three (the budget's check, the
     # plan's rows kept whole, the padding): facts of the mask are computed once per forward, not per layer
