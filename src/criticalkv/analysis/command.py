@@ -551,7 +551,10 @@ def perturbation(
     exhaustive_budget: Annotated[int, typer.Option(help="Entries kept per random head.")] = 4,
     from_json: Annotated[
         Path | None,
-        typer.Option(help="Measure nothing: recompute the summary and figures of an earlier perturbation.json."),
+        typer.Option(
+            help="Measure nothing: recompute the summary and figures of an earlier perturbation.json (--pairs, "
+            "--plots and --out apply; the measuring options, --methods included, are those of the file)."
+        ),
     ] = None,
 ) -> None:
     """Output perturbation per head of each method's kept set, against the full cache (CriticalKV's analysis)."""
