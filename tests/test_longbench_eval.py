@@ -94,6 +94,16 @@ def test_read_datasets_from_a_folder_or_a_file(data: Path, tmp_path: Path) -> No
     assert list(longbench_run.read_datasets(published, ["hotpotqa_e"])) == ["hotpotqa_e"]
 
 
+def test_longbench_e_rows_are_scored_per_length_bucket() -> None:
+    """THUDM's scorer_e means LongBench-E's scores over samples of 0-4k, 4-8k and 8k+ words apart: each row's task
+    carries its bucket, so the report's mean per task is that."""
+    lengths = {3999: "0-4k", 4000: "4-8k", 7999: "4-8k", 8000: "8k+"}
+    for length, bucket in lengths.items():
+        sample = dataclasses.replace(_sample("hotpotqa"), dataset="hotpotqa_e", length=length)
+        assert longbench_run.task_name("hotpotqa_e", sample) == f"hotpotqa_e {bucket}"
+    assert longbench_run.task_name("hotpotqa", _sample("hotpotqa")) == "hotpotqa"
+
+
 @pytest.mark.parametrize(
     ("names", "message"),
     [

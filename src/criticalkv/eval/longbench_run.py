@@ -37,20 +37,22 @@ __all__ = [
     "score_item",
     "split_prompt_ids",
     "stop_rule",
+    "task_name",
     "truncated_parts",
 ]
 
 
-# The version of THUDM's protocol this module follows, kept in a run's sweep.json (see commands). 4: predictions
-# scored (and stored) as decoded, not stripped; 3: non-samsum answers end at the model's generation_config eos.
-PROTOCOL = 4
+# The version of THUDM's protocol this module follows, kept in a run's sweep.json (see commands). 5: LongBench-E's
+# rows by length bucket; 4: predictions scored (and stored) as decoded, not stripped; 3: non-samsum answers end at
+# the model's generation_config eos.
+PROTOCOL = 5
 
 
 @dataclass(frozen=True)
 class LongBenchItem:
     """One sample with its prompt ids, keyed for results.jsonl by (dataset, position in that dataset)."""
 
-    task: str  # the sample's dataset, as its file names it
+    task: str  # the sample's dataset, as its file names it; LongBench-E's with its length bucket (``task_name``)
     index: int  # the sample's position among that dataset's samples
     sample: LongBenchSample
     prefix_ids: list[int]  # template start and the (truncated) context: what question-agnostic compresses
@@ -67,8 +69,8 @@ def read_datasets(path: Path, names: Sequence[str] = ()) -> dict[str, list[LongB
         published (files of datasets outside ``DATASETS``, such as the Chinese ones, are left alone).
     names : sequence of str
         Datasets to keep; empty: every dataset of the file, or every LongBench (v1) file of the folder. The
-        published folder holds LongBench-E's ``<dataset>_e.jsonl`` beside them: read only when named (their
-        length-bucketed scores, THUDM's ``scorer_e``, are not computed: a plain mean, as for the others).
+        published folder holds LongBench-E's ``<dataset>_e.jsonl`` beside them: read only when named (their rows
+        are then scored per length bucket, as THUDM's ``scorer_e``: ``task_name``).
 
     Raises
     ------
@@ -179,10 +181,22 @@ def longbench_items(
 ) -> list[LongBenchItem]:
     """The first ``limit`` samples of each dataset (all for 0), encoded by ``encode_sample``."""
     return [
-        LongBenchItem(dataset, index, sample, *encode_sample(tokenizer, sample, max_length))
+        LongBenchItem(task_name(dataset, sample), index, sample, *encode_sample(tokenizer, sample, max_length))
         for dataset, samples in groups.items()
         for index, sample in enumerate(samples[:limit] if limit else samples)
     ]
+
+
+E_BUCKETS = ((4000, "0-4k"), (8000, "4-8k"))  # THUDM's scorer_e: by the sample's length (words), then "8k+"
+
+
+def task_name(dataset: str, sample: LongBenchSample) -> str:
+    """The row's task: the dataset, and for LongBench-E's ``<name>_e`` its length bucket (``"hotpotqa_e 4-8k"``), so
+    the report's mean per task is THUDM's ``scorer_e`` per bucket."""
+    if not dataset.endswith("_e"):
+        return dataset
+    bucket = next((name for limit, name in E_BUCKETS if sample.length < limit), "8k+")
+    return f"{dataset} {bucket}"
 
 
 def stop_rule(tokenizer: PreTrainedTokenizerBase, model_eos: int | list[int] | None, item: LongBenchItem) -> StopRule:
