@@ -396,6 +396,21 @@ def test_sliding_layers_free_the_prompt_after_the_prefill(method):
     assert storage_bytes([whole[:, -5:], whole[:, :3]]) == whole.nbytes  # a view counts its storage, once
 
 
+def test_sliding_windows_are_released_once_per_prefill_not_per_decode_step(monkeypatch):
+    """A decode step's window views only that step's concatenation (one entry more): copying it at every step would
+    add a copy of every sliding window to each token's decode."""
+    from criticalkv.runtime import compressor as compressor_module
+
+    calls = []
+    release = compressor_module.release_views
+    monkeypatch.setattr(compressor_module, "release_views", lambda layers: calls.append(1) or release(layers))
+    model = _model("gemma3")
+    with criticalkv.compress(model, "snapkv", budget=0.25, window=8):
+        _generate(model, _ids(40, seed=5), n=4)
+        _generate(model, _ids(30, seed=6), n=4)
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("method", ["critical-snapkv", "full"])
 def test_gemma3_session_ask_twice(method, capture_decisions):
     model = _model("gemma3")

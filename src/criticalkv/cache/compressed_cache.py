@@ -90,10 +90,6 @@ class CompressedCache(Cache):
                 total += storage_bytes([layer.keys, layer.values])
         return total
 
-    def release_views(self) -> None:
-        """Free the prompt-sized storages the sliding layers' windows still view (``release_views``)."""
-        release_views(self.layers)
-
     def entries(self) -> int:
         """(batch, layer, head, token) entries held, summed over every layer."""
         total = 0

@@ -26,6 +26,7 @@ from transformers.cache_utils import Cache
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer, attention
+from criticalkv.cache.compressed_cache import release_views
 from criticalkv.distributed.layout import check_model
 from criticalkv.errors import CacheStateError, PaddingError, UnsupportedModelError
 from criticalkv.models.families import attention_modules, check_supported
@@ -162,6 +163,7 @@ class Compressor:
         self.pending: list[PendingLayer] = []  # layers of a deferred method during a prefill
         self._inputs: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # the prefill's ids and mask
         self._finishing = False  # forwards run by a scorer while finishing a deferred prefill
+        self._prefilling = False  # the running forward is a prefill (a new cache): its end frees the prompt's views
         # Collection mode: while set, the attention function calls it on each dense compressible layer with
         # (module, query, keys, mask, scaling) after computing the layer's own output (reconstruction scoring).
         self.attention_probe: Callable[..., None] | None = None
@@ -294,6 +296,7 @@ class Compressor:
         pending layers behind) are dropped."""
         self.records.clear()
         self.pending = []
+        self._prefilling = True
 
     def _remember_inputs(self, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -301,8 +304,9 @@ class Compressor:
 
     def _finish_prefill(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         cache = self.active_cache
-        if cache is not None and not self._finishing:
-            cache.release_views()  # sliding layers' windows sliced from the prompt: the prompt's storage is freed
+        if self._prefilling and cache is not None and not self._finishing:
+            release_views(cache.layers)  # sliding layers' windows sliced from the prompt: the prompt's storage is freed
+        self._prefilling = False  # a decode step's window views only that step's concatenation: left as it is
         if not self.pending or self._finishing:
             return
         self._finishing = True

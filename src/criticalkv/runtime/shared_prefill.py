@@ -88,8 +88,9 @@ class SharedPrefill(Compressor):
                     self.active_cache = target.cache
                     self.finish_deferred(target.cache, target.pending, target.method, target.budget, target.records)
                     target.pending = []
-        source.release_views()  # a sliding layer's window, not the prompt's storage it views, is what gets copied
-        for index, layer in enumerate(source.layers):  # sliding-window layers are copied to every target as they are
+        # sliding-window layers are copied to every target as they are: their windows, freed of the prompt's storage
+        # at the end of the forward (Compressor._finish_prefill), not that storage
+        for index, layer in enumerate(source.layers):
             if not isinstance(layer, CompressedLayer):
                 for target in self.targets:
                     target.cache.layers[index] = copy.deepcopy(layer)
