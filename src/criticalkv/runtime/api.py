@@ -18,7 +18,6 @@ def make_compressor(
 ) -> Compressor | None:
     """A compressor for a preset name or a ``Method``; None for ``"full"`` (nothing to install). A model inside a
     ``compress`` block is refused, ``"full"`` included: the block's hooks would compress its run."""
-    refuse_nesting(model)
     budget = Budget.parse(budget)
     if isinstance(method, Method):
         if options:
@@ -27,6 +26,7 @@ def make_compressor(
     else:
         built = build_method(method, **options)
     if built is None or budget.keeps_everything:
+        refuse_nesting(model)  # a Compressor refuses it itself
         return None
     return Compressor(model, built, budget)
 
