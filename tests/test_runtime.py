@@ -811,6 +811,9 @@ def test_a_full_cache_session_inside_a_block_is_refused():
             ContextSession(model, "full")
         with pytest.raises(CacheStateError, match="do not nest"), criticalkv.compress(model, "snapkv", budget=1.0):
             pass
+        for method in ("critical-adakv", "full"):  # a compressing method too: the Compressor's own check
+            with pytest.raises(CacheStateError, match="do not nest"):
+                ContextSession(model, method, budget=0.5)
 
 
 def test_a_prefill_that_raised_leaves_nothing_for_the_next():
