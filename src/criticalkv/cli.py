@@ -191,9 +191,10 @@ def _run(
     if mode not in ("aware", "agnostic"):
         raise CriticalKVError(f"--mode must be 'aware' or 'agnostic', got {mode!r}")
     at_least(max_new_tokens, 1, "--max-new-tokens")
-    if not any(m.strip() for m in method.split(",")):
+    named = [m.strip() for m in method.split(",") if m.strip()]
+    if not named:
         raise CriticalKVError("--method needs at least one preset ('full' alone for the full cache)")
-    methods_ = ["full"] + [m.strip() for m in method.split(",") if m.strip() and m.strip() != "full"]
+    methods_ = ["full"] + [m for m in named if m != "full"]
     options = _parse_options(option)
     parsed_budget = Budget.parse(budget)
     for name in methods_[1:]:
