@@ -573,13 +573,17 @@ def _compare_hidden(results, a_key, b_key, subset) -> dict | None:
     return {"mean_a": float(nanmean(a)), "mean_b": float(nanmean(b)), **compare(a, b)}
 
 
+def _layer_output_means(results, key, subset) -> np.ndarray | None:
+    """The attention output change per layer, its mean over the prompts: (layers,); None for results without it."""
+    if not all(key in r.layer_output for r in results):
+        return None
+    return nanmean(np.stack([r.layer_output[key][subset] for r in results]), 0)
+
+
 def _compare_layer_output(results, a_key, b_key, subset) -> dict | None:
     """Layer-by-layer comparison of the attention output change (prompt means); None for results without it."""
-    if not all(a_key in r.layer_output and b_key in r.layer_output for r in results):
-        return None
-    a = nanmean(np.stack([r.layer_output[a_key][subset] for r in results]), 0)  # (layers,)
-    b = nanmean(np.stack([r.layer_output[b_key][subset] for r in results]), 0)
-    return compare(a, b)
+    a, b = _layer_output_means(results, a_key, subset), _layer_output_means(results, b_key, subset)
+    return None if a is None or b is None else compare(a, b)
 
 
 def summarise(
@@ -623,7 +627,7 @@ def summarise(
             }
             if all(key in r.layer_output for r in results):
                 summary.setdefault("per_layer_output", {}).setdefault(name, {})[budget] = {
-                    s: nanmean(np.stack([r.layer_output[key][s] for r in results]), 0).tolist() for s in subsets
+                    s: _layer_output_means(results, key, s).tolist() for s in subsets
                 }
             scalars = [r.scalars[key] for r in results]
             summary["hidden"][name][budget] = {
