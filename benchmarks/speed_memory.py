@@ -140,12 +140,14 @@ def measure_ours(args: argparse.Namespace) -> list[dict]:
             )
             for _ in range(args.runs_per_process)
         ]
-        ops = count_prefill_ops(model, ids, DynamicCache(config=model.config)) if args.count_ops else {}
-        if args.count_ops and model.device.type == "cpu":
-            with gpu_block_sizes():
-                as_on_gpu = count_prefill_ops(model, ids, DynamicCache(config=model.config))
-            ops["prefill_dispatched_ops_gpu_blocks"] = as_on_gpu["prefill_dispatched_ops"]
-            ops["prefill_launching_ops_gpu_blocks"] = as_on_gpu["prefill_launching_ops"]
+        ops = {}
+        if args.count_ops:
+            ops = count_prefill_ops(model, ids, DynamicCache(config=model.config))
+            if model.device.type == "cpu":
+                with gpu_block_sizes():
+                    as_on_gpu = count_prefill_ops(model, ids, DynamicCache(config=model.config))
+                ops["prefill_dispatched_ops_gpu_blocks"] = as_on_gpu["prefill_dispatched_ops"]
+                ops["prefill_launching_ops_gpu_blocks"] = as_on_gpu["prefill_launching_ops"]
     shared = {
         "system": "ours",
         "method": args.single,

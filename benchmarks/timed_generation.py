@@ -134,9 +134,10 @@ def _cache_argument(model) -> str:
 
 
 class _OperatorCount(TorchDispatchMode):
-    """Counts the aten operators dispatched inside it (below autograd: the ones that run kernels), and the host
-    reads among them; ``Tensor.tolist`` dispatches no operator on a CPU (on a GPU it copies to the host first), so
-    its calls are counted as host reads by wrapping it while the mode is on."""
+    """Counts the aten operators dispatched inside it (below autograd), those that launch a kernel (not views, not
+    bare allocations: ``NO_KERNEL``), and the host reads among them; ``Tensor.tolist`` dispatches no operator on a
+    CPU (on a GPU it copies to the host first), so its calls are counted as host reads by wrapping it while the mode
+    is on."""
 
     def __init__(self) -> None:
         super().__init__()
