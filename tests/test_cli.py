@@ -217,6 +217,24 @@ def test_ruler_task_too_short_refused_before_the_sweep(short_model, tmp_path, mo
     _refused(["eval", "ruler", *model, "--tasks", "vt", "--length", "120"], "length 120 is too short for vt")
 
 
+def test_ruler_reserve_answer_reaches_the_samples_and_the_folders_settings(short_model, tmp_path, monkeypatch):
+    """--reserve-answer sizes the prompt with RULER's answer inside --length, and a folder records it (only when on,
+    so folders made before it still resume)."""
+    recorded = []
+
+    def sweep(*args, settings, **kwargs):
+        recorded.append(settings)
+        raise CriticalKVError("stop before answering")
+
+    monkeypatch.setattr("criticalkv.eval.commands.run_sweep", sweep)
+    model = ["--model", str(short_model), "--device", "cpu", "--samples", "1", "--out", str(tmp_path / "r")]
+    _refused(["eval", "ruler", *model, "--tasks", "niah_single_1", "--length", "128", "--reserve-answer"], "no room")
+    monkeypatch.setattr("criticalkv.eval.ruler.generate", lambda *args, **kwargs: [])
+    for flag, expected in (([], None), (["--reserve-answer"], True)):
+        _refused(["eval", "ruler", *model, "--tasks", "vt", "--length", "128", *flag], "stop before answering")
+        assert recorded.pop().get("reserve_answer") is expected
+
+
 def test_max_new_tokens_caps_a_benchmarks_own_count_and_never_raises_it():
     from criticalkv.eval.commands import _capped
 
