@@ -184,12 +184,15 @@ def count_prefill_ops(
     input_ids: torch.Tensor,
     cache,
     prefill_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    attention_mask: torch.Tensor | None = None,
 ) -> dict[str, int]:
-    """The operators one prefill of ``input_ids`` dispatches inside ``prefill_scope()``, and how many the host
-    waits for (``_reads_host``). Run it apart from timed runs: counting slows every operator."""
+    """The operators one prefill of ``input_ids`` (with ``attention_mask``, a left-padded batch) dispatches inside
+    ``prefill_scope()``, and how many the host waits for (``_reads_host``). Run it apart from timed runs: counting
+    slows every operator."""
     counter = _OperatorCount()
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, _cache_argument(model): cache}
     with prefill_scope(), counter:
-        model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{_cache_argument(model): cache})
+        model(**inputs, use_cache=True, logits_to_keep=1)
     return {
         "prefill_dispatched_ops": counter.total,
         "prefill_launching_ops": counter.launches,

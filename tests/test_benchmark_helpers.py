@@ -352,14 +352,24 @@ def test_prefill_operator_count_sees_compression_and_host_reads(tiny_tokenizer) 
     assert full["prefill_host_reads"] == 0 and full["prefill_dispatched_ops"] > 0
     assert 0 < full["prefill_launching_ops"] < full["prefill_dispatched_ops"]  # views and allocations launch nothing
     assert snap["prefill_dispatched_ops"] > full["prefill_dispatched_ops"]
-    # per compressed layer two (the top-k width, the kept counts), and per forward three (the budget's check, the
-    # plan's rows kept whole, the padding): facts of the mask are computed once per forward, not per layer
-    assert 2 <= snap["prefill_host_reads"] <= 2 * config.num_hidden_layers + 3
-    # CriticalKV (float32: no screen) waits as often as snapkv: both stages' top-k widths and the sign check of the
-    # scores in one Tensor.tolist (which dispatches no operator: counted by wrapping it), then the kept counts
+    # four per forward, none per layer: the budget's check, the plan (rows kept whole, whether the rows keep as
+    # many entries), the padding, and the top-k width; with every head keeping its row's budget the width is the
+    # same in every layer, and the kept entries are gathered without counting them
+    assert snap["prefill_host_reads"] == 4
+    # CriticalKV (float32: no screen): both stages' top-k widths once per forward, read with the first layer's sign
+    # check of the scores (one Tensor.tolist, which dispatches no operator: counted by wrapping it); the sign check
+    # alone in every later layer
     with criticalkv.compress(model, "critical-snapkv", 0.5):
         critical = count_prefill_ops(model, ids, DynamicCache(config=config))
-    assert critical["prefill_host_reads"] == snap["prefill_host_reads"]
+    assert critical["prefill_host_reads"] == 3 + config.num_hidden_layers
+    # rows of other lengths keep other counts: the kept entries are counted in every layer (one read each), beyond
+    # the reads of the full cache's padded prefill (transformers' mask) and the runtime's check of left padding
+    mask = torch.ones(2, 96, dtype=torch.long)
+    mask[1, :40] = 0
+    padded_full = count_prefill_ops(model, ids.expand(2, -1), DynamicCache(config=config), attention_mask=mask)
+    with criticalkv.compress(model, "snapkv", 0.5):
+        padded = count_prefill_ops(model, ids.expand(2, -1), DynamicCache(config=config), attention_mask=mask)
+    assert padded["prefill_host_reads"] - padded_full["prefill_host_reads"] == 5 + config.num_hidden_layers
 
 
 def test_gpu_block_sizes_counts_the_windows_logits_as_one_product(tiny_tokenizer) -> None:

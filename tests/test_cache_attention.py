@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from criticalkv.cache import CompressedCache, CompressedLayer
 from criticalkv.cache.attention import as_bool_mask, segment_attention
@@ -107,6 +109,26 @@ def _compressed(b, h, t, d, keep, seed=0):
     layer.update(k, v, 0)
     layer.compress(keep)
     return layer, k, v
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    b=st.integers(1, 3), h=st.integers(1, 3), t=st.integers(1, 40), share=st.floats(0.0, 1.0), seed=st.integers(0, 99)
+)
+def test_compress_with_a_known_width_stores_what_counting_stores(b, h, t, share, seed):
+    """Every segment keeping ``width`` entries: gathering them without a host read stores the same entries, in the
+    same order, as the positions counted from the mask."""
+    width = max(1, round(share * t))
+    gen = torch.Generator().manual_seed(seed)
+    ranks = torch.rand(b, h, t, generator=gen).argsort(-1).argsort(-1)  # a random order of the positions
+    keep = ranks < width  # (b, h, t): exactly `width` per segment
+    counted, k, v = _compressed(b, h, t, 5, keep, seed)
+    known = CompressedLayer()
+    known.update(k, v, 0)
+    known.compress(keep, width)
+    assert torch.equal(known.context_keys, counted.context_keys)
+    assert torch.equal(known.context_values, counted.context_values)
+    assert torch.equal(known.lengths, counted.lengths) and known.keys.shape == (b, h, 0, 5)
 
 
 @pytest.mark.parametrize("groups", [1, 2, 7])

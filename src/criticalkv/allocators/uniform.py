@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -13,8 +14,21 @@ from criticalkv.scorers.base import LayerView
 class UniformAllocator:
     """Each head gets its row's budget (SnapKV, StreamingLLM, ... and the paper's CriticalKV-SnapKV)."""
 
+    # Every head keeps its row's budget: when the rows' budgets are equal, the runtime knows each head's count
+    # without reading the device (``Decision.width``).
+    row_budget_per_head: ClassVar[bool] = True
+
     def allocate(
         self, scores: torch.Tensor, row_budgets: torch.Tensor, view: LayerView, protected: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Per-head budgets (b, h_kv) long from per-row budgets (b,); scores (b, h_kv, t) are not needed."""
-        return row_budgets[:, None].expand(-1, scores.shape[1]).clone()
+        """Per-head budgets (b, h_kv) long from per-row budgets (b,); scores (b, h_kv, t) are not needed.
+
+        One tensor for every layer of a forward given the same ``row_budgets`` (a method's plan shares them), so a
+        selector derives what depends on the budgets alone once per forward (``selectors.base.per_forward``).
+        """
+        h_kv = scores.shape[1]
+
+        def expand() -> tuple[torch.Tensor, torch.Tensor]:  # the entry holds row_budgets: its id stays its own
+            return row_budgets, row_budgets[:, None].expand(-1, h_kv).clone()
+
+        return view.remember_for_prefill(("uniform budgets", id(row_budgets), h_kv), expand)[1]

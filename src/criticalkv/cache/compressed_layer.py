@@ -216,11 +216,13 @@ class CompressedLayer(CacheLayerMixin):
             self.batch_select_indices(torch.arange(b, device=self.device).repeat_interleave(repeats))
 
     # --- compression -------------------------------------------------------------------------------------
-    def compress(self, keep: torch.Tensor) -> None:
+    def compress(self, keep: torch.Tensor, width: int | None = None) -> None:
         """Keep the entries of a keep mask (b, h_kv, t) of the prompt; the rest is freed.
 
         Kept entries stay in their original order. Allowed once, right after the prefill (or, for a deferred
-        method, at the end of it, once passes after the prefill have been trimmed away).
+        method, at the end of it, once passes after the prefill have been trimmed away). ``width``: the number of
+        entries every segment keeps, when the caller knows it (``Decision.width``); the positions are then found
+        without a host read (on a GPU, a wait), where counting them otherwise sizes the new buffers.
         """
         if not (self.fresh or self.pending):
             raise CacheStateError("a layer is compressed once, right after its prefill")
@@ -228,11 +230,16 @@ class CompressedLayer(CacheLayerMixin):
             raise CacheStateError("a pending layer must be trimmed back to its prompt before it is compressed")
         if keep.shape != (*self.keys.shape[:2], self.seen):
             raise CacheStateError(f"keep mask {tuple(keep.shape)} does not match the cache {tuple(self.keys.shape)}")
-        b, h, _, d = self.keys.shape
+        b, h, capacity, d = self.keys.shape  # a pending layer's buffer may have room beyond the prompt
         flat = keep.reshape(b * h, -1)
-        segment, position = flat.nonzero(as_tuple=True)  # row-major: segment by segment, positions ascending
-        self.context_keys = self.keys.reshape(b * h, -1, d)[segment, position]  # (N, d), a new buffer
-        self.context_values = self.values.reshape(b * h, -1, d)[segment, position]
+        if width is None:  # row-major: segment by segment, positions ascending
+            segment, position = flat.nonzero(as_tuple=True)  # (N,) each
+        else:  # each segment's kept positions first, ascending (a stable sort): the same entries, in the same order
+            position = flat.view(torch.uint8).sort(dim=-1, descending=True, stable=True).indices[:, :width]
+            segment = torch.arange(b * h, device=keep.device)[:, None]  # (b * h, 1) beside (b * h, width)
+        rows = (segment * capacity + position).reshape(-1)  # (N,): rows of the (b * h * capacity, d) buffer
+        self.context_keys = self.keys.reshape(-1, d).index_select(0, rows)  # (N, d), a new buffer
+        self.context_values = self.values.reshape(-1, d).index_select(0, rows)
         self.lengths = keep.sum(-1)
         self.keys = self.keys.new_empty((b, h, 0, d))  # the prompt-sized buffer is released
         self.values = self.values.new_empty((b, h, 0, d))

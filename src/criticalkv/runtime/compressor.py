@@ -350,7 +350,7 @@ class Compressor:
         if decision.keep is None:
             layer.fresh = layer.pending = False
         else:
-            layer.compress(decision.keep)
+            layer.compress(decision.keep, decision.width)
         keep = None
         if self.record_keep:
             whole = view.valid[:, None, :].expand(-1, view.keys.shape[1], -1)  # kept whole: every real entry

@@ -24,6 +24,9 @@ class Decision:
     # Earlier layers of the same prefill to shrink (a streaming allocator): layer index -> (N,) bool mask over that
     # layer's kept entries in storage order (``CompressedLayer.shrink``).
     shrink: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Entries every head keeps, when the host knows it without reading the device (every head keeps its row's
+    # budget and the rows' budgets are equal): the cache then gathers them without a read. None otherwise.
+    width: int | None = None
 
 
 @dataclass
@@ -35,6 +38,7 @@ class _LayerPlan:
     protected: torch.Tensor  # (b, t) bool
     kept_whole: torch.Tensor  # (b,) bool
     whole_rows: int  # rows kept whole, read once (a host read)
+    width: int | None  # the rows' common budget when they are all equal (read with whole_rows), else None
 
     @property
     def all_whole(self) -> bool:
@@ -171,8 +175,10 @@ class Method:
             protected = self.scorer.protected(view)  # (b, t)
             # a row no longer than its protected positions is kept whole, even where the fraction rounds to zero
             row_budgets = budget.entries_for(lengths, whole=protected.sum(-1) >= lengths)  # (b,)
-            kept_whole = row_budgets >= lengths
-            return _LayerPlan(row_budgets, protected, kept_whole, int(kept_whole.sum()))
+            kept_whole = row_budgets >= lengths  # (b,): their budget is their length
+            # one host read for the forward: rows kept whole, and whether every row keeps as many entries
+            whole_rows, low, high = torch.stack([kept_whole.sum(), row_budgets.min(), row_budgets.max()]).tolist()
+            return _LayerPlan(row_budgets, protected, kept_whole, whole_rows, low if low == high else None)
 
         return view.remember_for_prefill(("plan", repr(self.scorer), repr(budget)), plan)
 
@@ -188,4 +194,5 @@ class Method:
         if plan.any_whole:  # torch.where, not keep[whole] = ...: indexing by a mask is a host read (a GPU sync)
             keep = torch.where(whole[:, None, None], view.valid[:, None, :].expand(-1, h_kv, -1), keep)
             budgets = torch.where(whole[:, None], view.lengths[:, None], budgets)  # (b, h_kv)
-        return Decision(keep, budgets, whole)
+        width = plan.width if getattr(self.allocator, "row_budget_per_head", False) else None
+        return Decision(keep, budgets, whole, width=width)

@@ -124,7 +124,7 @@ class SharedPrefill(Compressor):
                 decision = target.method.decide(view, target.budget, target.state)
                 apply_shrink(target.cache, decision.shrink, target.records)
                 if decision.keep is not None:
-                    own.compress(decision.keep)
+                    own.compress(decision.keep, decision.width)
                 target.records.append(
                     LayerRecord(module.layer_idx, view.lengths, decision.budgets, decision.kept_whole)
                 )

@@ -10,7 +10,7 @@ import torch
 from criticalkv.errors import NegativeScoreError
 from criticalkv.scorers.base import LayerView
 from criticalkv.scorers.snapkv import AGGREGATES, window_head_scores
-from criticalkv.selectors.base import add_top, keep_protected, largest, open_places, take_top
+from criticalkv.selectors.base import add_top, keep_protected, largest, open_places, per_forward, take_top
 from criticalkv.selectors.norm_screen import norm_bounds, screens, take_top_by_value_norm
 from criticalkv.selectors.value_norm import projected_value_norm
 
@@ -85,15 +85,24 @@ class CriticalSelector:
     def select(
         self, scores: torch.Tensor, budgets: torch.Tensor, protected: torch.Tensor, view: LayerView
     ) -> torch.Tensor:
-        keep = keep_protected(protected, budgets)
-        stage1 = torch.floor(budgets.double() * self.alpha + 1e-9).long()  # (b, h_kv)
-        open1, need1 = open_places(keep, view.valid, stage1 - keep.sum(-1))  # (b, h_kv, t), (b, h_kv)
-        # stage 1 adds exactly need1 entries, so stage 2's need (capped by what is left) is known before it runs
-        need2 = torch.minimum((budgets - keep.sum(-1) - need1).clamp(min=0), open1.sum(-1) - need1)  # (b, h_kv)
-        unprotected = view.valid[:, None, :] & ~protected[:, None, :]
-        negative = (scores.masked_fill(~unprotected, 0.0) < 0).any()
-        # the two top-k widths and the sign check in one host read (on a GPU each read is a wait)
-        k1, k2, any_negative = torch.stack([largest(need1), largest(need2), negative.long()]).tolist()
+        outside = ~(view.valid & ~protected)[:, None, :]  # (b, 1, t): padding and protected positions
+        negative = (scores.masked_fill(outside, 0.0) < 0).any()  # (): the sign check of the scores
+        read_with_widths = []
+
+        def start() -> tuple[torch.Tensor, ...]:
+            """The stages' plan from the budgets alone: once per forward under a uniform allocator."""
+            keep = keep_protected(protected, budgets)  # (b, h_kv, t)
+            stage1 = torch.floor(budgets.double() * self.alpha + 1e-9).long()  # (b, h_kv)
+            open1, need1 = open_places(keep, view.valid, stage1 - keep.sum(-1))  # (b, h_kv, t), (b, h_kv)
+            # stage 1 adds exactly need1 entries, so stage 2's need (capped by what is left) is known before it runs
+            need2 = torch.minimum((budgets - keep.sum(-1) - need1).clamp(min=0), open1.sum(-1) - need1)  # (b, h_kv)
+            # the two top-k widths and this layer's sign check in one host read (on a GPU each read is a wait)
+            k1, k2, sign = torch.stack([largest(need1), largest(need2), negative.long()]).tolist()
+            read_with_widths.append(sign)
+            return keep, open1, need1, need2, k1, k2
+
+        keep, open1, need1, need2, k1, k2 = per_forward(view, ("critical", self.alpha), budgets, protected, start)
+        any_negative = read_with_widths[0] if read_with_widths else bool(negative)
         if any_negative:
             raise NegativeScoreError(
                 "the CriticalKV selector multiplies scores by value norms, so scores must be >= 0; "

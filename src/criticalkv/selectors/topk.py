@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from criticalkv.scorers.base import LayerView
-from criticalkv.selectors.base import keep_protected, take_top
+from criticalkv.selectors.base import add_top, keep_protected, largest, open_places, per_forward
 
 
 @dataclass
@@ -17,5 +17,10 @@ class TopKSelector:
     def select(
         self, scores: torch.Tensor, budgets: torch.Tensor, protected: torch.Tensor, view: LayerView
     ) -> torch.Tensor:
-        keep = keep_protected(protected, budgets)
-        return take_top(scores, keep, view.valid, budgets - keep.sum(-1))
+        def start() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+            keep = keep_protected(protected, budgets)  # (b, h_kv, t)
+            candidates, need = open_places(keep, view.valid, budgets - keep.sum(-1))  # (b, h_kv, t), (b, h_kv)
+            return keep, candidates, need, int(largest(need))
+
+        keep, candidates, need, k = per_forward(view, "topk", budgets, protected, start)
+        return add_top(scores, keep, candidates, need, k)
