@@ -362,6 +362,11 @@ def test_prefill_operator_count_sees_compression_and_host_reads(tiny_tokenizer) 
     with criticalkv.compress(model, "critical-snapkv", 0.5):
         critical = count_prefill_ops(model, ids, DynamicCache(config=config))
     assert critical["prefill_host_reads"] == 3 + config.num_hidden_layers
+    # AdaKV: its two widths from the budgets alone once per forward; per layer the selector's width of the head
+    # budgets it allotted, and the kept counts (they differ per head)
+    with criticalkv.compress(model, "adakv", 0.5):
+        ada = count_prefill_ops(model, ids, DynamicCache(config=config))
+    assert ada["prefill_host_reads"] == 4 + 2 * config.num_hidden_layers
     # rows of other lengths keep other counts: the kept entries are counted in every layer (one read each), beyond
     # the reads of the full cache's padded prefill (transformers' mask) and the runtime's check of left padding
     mask = torch.ones(2, 96, dtype=torch.long)

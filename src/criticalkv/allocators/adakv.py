@@ -95,6 +95,30 @@ class AdaKVAllocator:
     ) -> torch.Tensor:
         """The allocation over every head in ``scores`` (b, h, t): (b, h) long."""
         b, h, t = scores.shape
+        key = ("adakv counts", self.safeguard, self.safeguard_beside_window, h)
+        counts = view.remember_for_tensors(
+            key, (row_budgets, protected), lambda: self._counts(row_budgets, view, protected, h)
+        )
+        budgets, n_prot, base, extra_safe, pooled, k_safe, k_pooled, outside = counts
+        others = scores.float().masked_fill(outside, float("-inf"))  # (b, h, t)
+        if k_safe > 0:  # those safeguard entries are taken already: out of the pooled contest
+            top = others.topk(k_safe, dim=-1).indices  # (b, h, k_safe)
+            taken = torch.arange(k_safe, device=scores.device)[None, None, :] < extra_safe[:, None, None]
+            others = others.scatter(-1, top, others.gather(-1, top).masked_fill(taken, float("-inf")))
+        won = torch.zeros(b, h, dtype=torch.long, device=scores.device)
+        if k_pooled > 0:
+            winners = others.reshape(b, h * t).topk(k_pooled, dim=-1).indices  # (b, k_pooled), best first
+            counts = (torch.arange(k_pooled, device=scores.device)[None, :] < pooled[:, None]).long()
+            won.scatter_add_(1, winners // t, counts)
+        # A window of at least B entries: every head keeps its B most recent window entries (the global order
+        # walks the window position by position through all heads, so the cut falls on a whole position).
+        return torch.where((n_prot >= budgets)[:, None], budgets[:, None], base[:, None] + won)
+
+    def _counts(self, row_budgets: torch.Tensor, view: LayerView, protected: torch.Tensor | None, h: int) -> tuple:
+        """What the allocation of a row takes from its budget and protected positions alone, the same in every layer
+        of a forward (computed once per forward, its two top-k widths in one host read): B, P, each head's start
+        and safeguard entries outside the window (b,) long, the pooled contest's size (b,) long, the two widths,
+        and the positions out of the contest (b, 1, t) bool (padding, protected)."""
         valid = view.valid  # (b, t)
         budgets = torch.minimum(row_budgets.long(), view.lengths)  # B: (b,)
         prot = torch.zeros_like(valid) if protected is None else protected & valid
@@ -113,16 +137,5 @@ class AdaKVAllocator:
         # The pooled contest: the rest of the row's h * B entries go to the best remaining scores of any head.
         pooled = (h * (budgets - base)).clamp(min=0)  # (b,)
         k_safe, k_pooled = torch.stack([extra_safe.max(), pooled.max()]).tolist()  # one host read for both widths
-        others = scores.float().masked_fill(~(valid & ~prot)[:, None, :], float("-inf"))  # (b, h, t)
-        if k_safe > 0:  # those safeguard entries are taken already: out of the pooled contest
-            top = others.topk(k_safe, dim=-1).indices  # (b, h, k_safe)
-            taken = torch.arange(k_safe, device=scores.device)[None, None, :] < extra_safe[:, None, None]
-            others = others.scatter(-1, top, others.gather(-1, top).masked_fill(taken, float("-inf")))
-        won = torch.zeros(b, h, dtype=torch.long, device=scores.device)
-        if k_pooled > 0:
-            winners = others.reshape(b, h * t).topk(k_pooled, dim=-1).indices  # (b, k_pooled), best first
-            counts = (torch.arange(k_pooled, device=scores.device)[None, :] < pooled[:, None]).long()
-            won.scatter_add_(1, winners // t, counts)
-        # A window of at least B entries: every head keeps its B most recent window entries (the global order
-        # walks the window position by position through all heads, so the cut falls on a whole position).
-        return torch.where((n_prot >= budgets)[:, None], budgets[:, None], base[:, None] + won)
+        outside = ~(valid & ~prot)[:, None, :]  # (b, 1, t)
+        return budgets, n_prot, base, extra_safe, pooled, k_safe, k_pooled, outside

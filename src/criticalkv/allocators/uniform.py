@@ -24,11 +24,11 @@ class UniformAllocator:
         """Per-head budgets (b, h_kv) long from per-row budgets (b,); scores (b, h_kv, t) are not needed.
 
         One tensor for every layer of a forward given the same ``row_budgets`` (a method's plan shares them), so a
-        selector derives what depends on the budgets alone once per forward (``selectors.base.per_forward``).
+        selector derives what depends on the budgets alone once per forward (``LayerView.remember_for_tensors``).
         """
         h_kv = scores.shape[1]
 
-        def expand() -> tuple[torch.Tensor, torch.Tensor]:  # the entry holds row_budgets: its id stays its own
-            return row_budgets, row_budgets[:, None].expand(-1, h_kv).clone()
+        def expand() -> torch.Tensor:
+            return row_budgets[:, None].expand(-1, h_kv).clone()  # (b, h_kv)
 
-        return view.remember_for_prefill(("uniform budgets", id(row_budgets), h_kv), expand)[1]
+        return view.remember_for_tensors(("uniform budgets", h_kv), (row_budgets,), expand)

@@ -232,12 +232,14 @@ class CompressedLayer(CacheLayerMixin):
             raise CacheStateError(f"keep mask {tuple(keep.shape)} does not match the cache {tuple(self.keys.shape)}")
         b, h, capacity, d = self.keys.shape  # a pending layer's buffer may have room beyond the prompt
         flat = keep.reshape(b * h, -1)
-        if width is None:  # row-major: segment by segment, positions ascending
-            segment, position = flat.nonzero(as_tuple=True)  # (N,) each
+        # rows of the (b * h * capacity, d) buffer, (N,): segment by segment, positions ascending
+        if width is None:
+            segment, position = flat.nonzero(as_tuple=True)  # (N,) each, row-major
+            rows = segment * capacity + position
         else:  # each segment's kept positions first, ascending (a stable sort): the same entries, in the same order
             position = flat.view(torch.uint8).sort(dim=-1, descending=True, stable=True).indices[:, :width]
-            segment = torch.arange(b * h, device=keep.device)[:, None]  # (b * h, 1) beside (b * h, width)
-        rows = (segment * capacity + position).reshape(-1)  # (N,): rows of the (b * h * capacity, d) buffer
+            first = torch.arange(0, b * h * capacity, capacity, device=keep.device)  # (b * h,): each segment's row 0
+            rows = (first[:, None] + position).reshape(-1)
         self.context_keys = self.keys.reshape(-1, d).index_select(0, rows)  # (N, d), a new buffer
         self.context_values = self.values.reshape(-1, d).index_select(0, rows)
         self.lengths = keep.sum(-1)

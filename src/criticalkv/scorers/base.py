@@ -50,6 +50,18 @@ class LayerView:
         on a GPU every layer would otherwise launch the same operators and wait for the same host reads."""
         return _once(self.prefill, key, compute)
 
+    def remember_for_tensors(
+        self, key: object, tensors: tuple[torch.Tensor | None, ...], compute: Callable[[], T]
+    ) -> T:
+        """``compute()`` once per forward, key and ``tensors`` (the objects, not their values): for what a piece
+        derives from tensors that every layer of a forward shares, such as a method's per-row budgets and protected
+        positions, or the per-head budgets a uniform allocator hands every layer. Its host reads then happen once
+        per forward instead of once per layer (on a GPU each is a wait); tensors made anew per layer (a head-wise
+        allocator's budgets) are computed per layer. None of them may be modified in place afterwards."""
+        # keyed by identity; the entry holds the tensors, so no other tensor can take their ids while it lives
+        entry = self.remember_for_prefill((key, *map(id, tensors)), lambda: (tensors, compute()))
+        return entry[1]
+
     @property
     def groups(self) -> int:
         """Query heads per KV head (GQA group size)."""

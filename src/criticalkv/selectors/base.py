@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import torch
 
 from criticalkv.scorers.base import LayerView
-
-T = TypeVar("T")
 
 
 class Selector(Protocol):
@@ -24,22 +21,6 @@ class Selector(Protocol):
         ``protected`` (b, t) bool, positions kept first.
         """
         ...
-
-
-def per_forward(
-    view: LayerView, key: object, budgets: torch.Tensor, protected: torch.Tensor, compute: Callable[[], T]
-) -> T:
-    """``compute()`` once per forward for these ``budgets`` and ``protected`` tensors (the objects, not their values).
-
-    What a selector derives from the budgets and the protected positions alone (the protected entries it keeps,
-    its top-k widths) is the same for every layer of a forward when the budgets are too: a uniform allocator hands
-    every layer the same budgets tensor (``UniformAllocator``), so the host reads of ``compute`` happen once per
-    forward instead of once per layer (on a GPU each is a wait). Other budgets are new tensors per layer: computed
-    per layer. Neither tensor may be modified in place after it is handed to a selector.
-    """
-    # keyed by identity; the entry holds both tensors, so no other tensor can take their ids while it lives
-    entry = view.remember_for_prefill((key, id(budgets), id(protected)), lambda: (budgets, protected, compute()))
-    return entry[2]
 
 
 def keep_protected(protected: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 from criticalkv.errors import NegativeScoreError
 from criticalkv.scorers.base import LayerView
 from criticalkv.scorers.snapkv import AGGREGATES, window_head_scores
-from criticalkv.selectors.base import add_top, keep_protected, largest, open_places, per_forward, take_top
+from criticalkv.selectors.base import add_top, keep_protected, largest, open_places, take_top
 from criticalkv.selectors.norm_screen import norm_bounds, screens, take_top_by_value_norm
 from criticalkv.selectors.value_norm import projected_value_norm
 
@@ -101,7 +101,9 @@ class CriticalSelector:
             read_with_widths.append(sign)
             return keep, open1, need1, need2, k1, k2
 
-        keep, open1, need1, need2, k1, k2 = per_forward(view, ("critical", self.alpha), budgets, protected, start)
+        keep, open1, need1, need2, k1, k2 = view.remember_for_tensors(
+            ("critical start", self.alpha), (budgets, protected), start
+        )
         any_negative = read_with_widths[0] if read_with_widths else bool(negative)
         if any_negative:
             raise NegativeScoreError(

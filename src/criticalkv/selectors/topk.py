@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from criticalkv.scorers.base import LayerView
-from criticalkv.selectors.base import add_top, keep_protected, largest, open_places, per_forward
+from criticalkv.selectors.base import add_top, keep_protected, largest, open_places
 
 
 @dataclass
@@ -22,5 +22,5 @@ class TopKSelector:
             candidates, need = open_places(keep, view.valid, budgets - keep.sum(-1))  # (b, h_kv, t), (b, h_kv)
             return keep, candidates, need, int(largest(need))
 
-        keep, candidates, need, k = per_forward(view, "topk", budgets, protected, start)
+        keep, candidates, need, k = view.remember_for_tensors("topk start", (budgets, protected), start)
         return add_top(scores, keep, candidates, need, k)
