@@ -3,6 +3,7 @@ projected value norm against an explicit per-head loop, and properties every sel
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -407,3 +408,27 @@ def test_method_decide_critical_respects_budget_and_padding(scorer):
     assert torch.equal(decision.budgets, decision.keep.sum(-1))
     assert not bool((decision.keep & ~view.valid[:, None, :]).any())
     assert decision.kept_whole.tolist() == [False, False, False]
+
+
+def test_selectors_share_what_the_budgets_alone_decide_across_layers_of_a_forward():
+    """Layers of one forward handed the same budgets tensor (a uniform allocator's) derive the protected entries and
+    the top-k widths once; another tensor of equal values is computed anew, and every layer still selects exactly
+    as a view of its own would."""
+    shared: dict = {}
+    views = [_make_view(2, 2, 2, 24, 4, 16, [24, 17], seed=s) for s in range(3)]
+    for view in views:
+        view.prefill = shared
+    budgets = torch.tensor([[9, 9], [7, 7]])
+    protected = torch.zeros(2, 24, dtype=torch.bool)
+    protected[:, -4:] = True
+    calls = []
+    compute = lambda: calls.append(1) or len(calls)  # noqa: E731
+    assert [v.remember_for_tensors("k", (budgets, protected), compute) for v in views] == [1, 1, 1]
+    assert views[0].remember_for_tensors("k", (budgets.clone(), protected), compute) == 2
+    for selector in (TopKSelector(), CriticalSelector(alpha=0.5)):
+        for seed, view in enumerate(views):
+            scores = torch.rand(2, 2, 24, generator=torch.Generator().manual_seed(seed))  # each layer its own
+            alone = dataclasses.replace(view, prefill={}, memo={})
+            got = selector.select(scores, budgets, protected, view)
+            assert torch.equal(got, selector.select(scores, budgets, protected, alone))
+            assert torch.equal(got.sum(-1), budgets)
