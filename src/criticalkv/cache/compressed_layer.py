@@ -221,8 +221,9 @@ class CompressedLayer(CacheLayerMixin):
 
         Kept entries stay in their original order. Allowed once, right after the prefill (or, for a deferred
         method, at the end of it, once passes after the prefill have been trimmed away). ``width``: the number of
-        entries every segment keeps, when the caller knows it (``Decision.width``); the positions are then found
-        without a host read (on a GPU, a wait), where counting them otherwise sizes the new buffers.
+        entries every segment of ``keep`` holds, when the caller knows it (``Decision.width``: selectors keep
+        exactly each head's budget); the positions are then found without a host read (on a GPU, a wait), where
+        counting them otherwise sizes the new buffers.
         """
         if not (self.fresh or self.pending):
             raise CacheStateError("a layer is compressed once, right after its prefill")
@@ -242,7 +243,9 @@ class CompressedLayer(CacheLayerMixin):
             rows = (first[:, None] + position).reshape(-1)
         self.context_keys = self.keys.reshape(-1, d).index_select(0, rows)  # (N, d), a new buffer
         self.context_values = self.values.reshape(-1, d).index_select(0, rows)
-        self.lengths = keep.sum(-1)
+        # (b, h) counts of what is stored: with a width, `width` per segment whatever the mask holds (a mask that
+        # breaks the selector contract then keeps other entries, never a count that misreads the storage)
+        self.lengths = keep.sum(-1) if width is None else torch.full((b, h), width, device=keep.device)
         self.keys = self.keys.new_empty((b, h, 0, d))  # the prompt-sized buffer is released
         self.values = self.values.new_empty((b, h, 0, d))
         self.tail = 0
