@@ -85,7 +85,10 @@ class CriticalSelector:
     def select(
         self, scores: torch.Tensor, budgets: torch.Tensor, protected: torch.Tensor, view: LayerView
     ) -> torch.Tensor:
-        outside = ~(view.valid & ~protected)[:, None, :]  # (b, 1, t): padding and protected positions
+        def padding_or_protected() -> torch.Tensor:
+            return ~(view.valid & ~protected)[:, None, :]  # (b, 1, t)
+
+        outside = view.remember_for_tensors("padding or protected", (protected,), padding_or_protected)
         negative = (scores.masked_fill(outside, 0.0) < 0).any()  # (): the sign check of the scores
         read_with_widths = []
 
