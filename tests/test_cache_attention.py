@@ -266,6 +266,8 @@ def test_compress_errors():
         layer.compress(torch.ones(1, 2, 9, dtype=torch.bool))  # wrong length
     with pytest.raises(CacheStateError):
         layer.compress(torch.ones(2, 2, 10, dtype=torch.bool))  # wrong batch
+    with pytest.raises(CacheStateError, match="bool"):
+        layer.compress(torch.ones(1, 2, 10, dtype=torch.long))  # 0/1 integers: a mask is bool
     layer.compress(torch.ones(1, 2, 10, dtype=torch.bool))
     with pytest.raises(CacheStateError):
         layer.compress(torch.ones(1, 2, 10, dtype=torch.bool))  # only once

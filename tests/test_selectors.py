@@ -418,13 +418,17 @@ def test_selectors_share_what_the_budgets_alone_decide_across_layers_of_a_forwar
     views = [_make_view(2, 2, 2, 24, 4, 16, [24, 17], seed=s) for s in range(3)]
     for view in views:
         view.prefill = shared
-    budgets = torch.tensor([[9, 9], [7, 7]])
+    budgets = views[0].share_with_forward(torch.tensor([[9, 9], [7, 7]]))
     protected = torch.zeros(2, 24, dtype=torch.bool)
     protected[:, -4:] = True
+    views[0].share_with_forward(protected)
     calls = []
     compute = lambda: calls.append(1) or len(calls)  # noqa: E731
     assert [v.remember_for_tensors("k", (budgets, protected), compute) for v in views] == [1, 1, 1]
-    assert views[0].remember_for_tensors("k", (budgets.clone(), protected), compute) == 2
+    # a tensor of one layer (equal values, another object): computed every time, and nothing kept for it
+    entries = len(shared)
+    assert [v.remember_for_tensors("k", (budgets.clone(), protected), compute) for v in views] == [2, 3, 4]
+    assert len(shared) == entries
     for selector in (TopKSelector(), CriticalSelector(alpha=0.5)):
         for seed, view in enumerate(views):
             scores = torch.rand(2, 2, 24, generator=torch.Generator().manual_seed(seed))  # each layer its own
@@ -432,3 +436,17 @@ def test_selectors_share_what_the_budgets_alone_decide_across_layers_of_a_forwar
             got = selector.select(scores, budgets, protected, view)
             assert torch.equal(got, selector.select(scores, budgets, protected, alone))
             assert torch.equal(got.sum(-1), budgets)
+
+
+def test_candidates_scored_minus_infinity_still_fill_the_budget_and_never_padding():
+    """A scorer may give real positions -inf: top-k must still take them before padding or entries kept already
+    (CriticalKV refuses such scores: they are negative)."""
+    view = _make_view(2, 2, 1, 16, 4, 8, [16, 11])
+    scores = torch.rand(2, 2, 16)
+    scores[1, 1, 5:12] = float("-inf")  # row 1 (padding at 0-4), head 1: most of its real positions
+    protected = torch.zeros(2, 16, dtype=torch.bool)
+    protected[:, -4:] = True
+    budgets = torch.tensor([[8, 8], [8, 8]])
+    keep = TopKSelector().select(scores, budgets, protected, view)
+    assert torch.equal(keep.sum(-1), budgets)
+    assert not (keep & ~view.valid[:, None, :]).any()

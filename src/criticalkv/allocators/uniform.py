@@ -24,11 +24,12 @@ class UniformAllocator:
         """Per-head budgets (b, h_kv) long from per-row budgets (b,); scores (b, h_kv, t) are not needed.
 
         One tensor for every layer of a forward given the same ``row_budgets`` (a method's plan shares them), so a
-        selector derives what depends on the budgets alone once per forward (``LayerView.remember_for_tensors``).
+        selector derives what depends on the budgets alone once per forward (``LayerView.remember_for_tensors``);
+        read-only.
         """
         h_kv = scores.shape[1]
 
         def expand() -> torch.Tensor:
             return row_budgets[:, None].expand(-1, h_kv).clone()  # (b, h_kv)
 
-        return view.remember_for_tensors(("uniform budgets", h_kv), (row_budgets,), expand)
+        return view.remember_for_tensors(("uniform budgets", h_kv), (row_budgets,), expand, shared_result=True)

@@ -229,6 +229,8 @@ class CompressedLayer(CacheLayerMixin):
             raise CacheStateError("a layer is compressed once, right after its prefill")
         if self.tail != self.seen:
             raise CacheStateError("a pending layer must be trimmed back to its prompt before it is compressed")
+        if keep.dtype != torch.bool:
+            raise CacheStateError(f"a keep mask is bool, got {keep.dtype}")
         if keep.shape != (*self.keys.shape[:2], self.seen):
             raise CacheStateError(f"keep mask {tuple(keep.shape)} does not match the cache {tuple(self.keys.shape)}")
         b, h, capacity, d = self.keys.shape  # a pending layer's buffer may have room beyond the prompt

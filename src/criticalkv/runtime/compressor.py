@@ -104,7 +104,8 @@ def prefill_view(
 
 @dataclass
 class LayerRecord:
-    """What compression did to one layer (all rows of the batch)."""
+    """What compression did to one layer (all rows of the batch). Read-only: the layers of a forward may share a
+    tensor (a uniform allocator's budgets)."""
 
     layer: int
     before: torch.Tensor  # (b,) real entries per head before compression

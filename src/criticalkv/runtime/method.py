@@ -176,8 +176,14 @@ class Method:
             # a row no longer than its protected positions is kept whole, even where the fraction rounds to zero
             row_budgets = budget.entries_for(lengths, whole=protected.sum(-1) >= lengths)  # (b,)
             kept_whole = row_budgets >= lengths  # (b,): their budget is their length
+            if not len(lengths):  # an empty batch
+                return _LayerPlan(row_budgets, protected, kept_whole, 0, None)
             # one host read for the forward: rows kept whole, and whether every row keeps as many entries
             whole_rows, low, high = torch.stack([kept_whole.sum(), row_budgets.min(), row_budgets.max()]).tolist()
+            # every layer of the forward is handed these two: what the allocator and selector derive from them alone
+            # is computed once per forward (LayerView.remember_for_tensors)
+            view.share_with_forward(row_budgets)
+            view.share_with_forward(protected)
             return _LayerPlan(row_budgets, protected, kept_whole, whole_rows, low if low == high else None)
 
         return view.remember_for_prefill(("plan", repr(self.scorer), repr(budget)), plan)

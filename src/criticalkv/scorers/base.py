@@ -12,6 +12,7 @@ from torch import nn
 from criticalkv.distributed.heads import output_projection
 
 T = TypeVar("T")
+_SHARED = "tensors shared by the layers of a forward"  # LayerView.prefill key: id -> tensor
 
 
 def _once(store: dict, key: object, compute: Callable[[], T]) -> T:
@@ -50,17 +51,34 @@ class LayerView:
         on a GPU every layer would otherwise launch the same operators and wait for the same host reads."""
         return _once(self.prefill, key, compute)
 
+    def share_with_forward(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mark ``tensor`` as one that every layer of this forward is handed (a method's per-row budgets and
+        protected positions: ``Method``'s plan), for ``remember_for_tensors``; returns it. Not to be modified in
+        place afterwards."""
+        self.prefill.setdefault(_SHARED, {})[id(tensor)] = tensor  # held: no other tensor takes its id meanwhile
+        return tensor
+
     def remember_for_tensors(
-        self, key: object, tensors: tuple[torch.Tensor | None, ...], compute: Callable[[], T]
+        self,
+        key: object,
+        tensors: tuple[torch.Tensor | None, ...],
+        compute: Callable[[], T],
+        shared_result: bool = False,
     ) -> T:
-        """``compute()`` once per forward, key and ``tensors`` (the objects, not their values): for what a piece
-        derives from tensors that every layer of a forward shares, such as a method's per-row budgets and protected
-        positions, or the per-head budgets a uniform allocator hands every layer. Its host reads then happen once
-        per forward instead of once per layer (on a GPU each is a wait); tensors made anew per layer (a head-wise
-        allocator's budgets) are computed per layer. None of them may be modified in place afterwards."""
-        # keyed by identity; the entry holds the tensors, so no other tensor can take their ids while it lives
-        entry = self.remember_for_prefill((key, *map(id, tensors)), lambda: (tensors, compute()))
-        return entry[1]
+        """``compute()`` once per forward for ``key`` and ``tensors`` when each of them is shared by the forward's
+        layers (``share_with_forward``; None counts as shared): what a piece derives from them alone is then computed,
+        and its host reads made, once per forward instead of once per layer (on a GPU each read is a wait). Tensors
+        made for one layer (a head-wise allocator's budgets) get ``compute()`` every time, and nothing is kept.
+        ``shared_result``: the result is itself handed to every layer (a uniform allocator's budgets): mark it."""
+        marks = self.prefill.get(_SHARED, {})
+        if any(t is not None and marks.get(id(t)) is not t for t in tensors):
+            return compute()
+
+        def once() -> T:
+            result = compute()
+            return self.share_with_forward(result) if shared_result else result
+
+        return self.remember_for_prefill((key, *map(id, tensors)), once)
 
     @property
     def groups(self) -> int:

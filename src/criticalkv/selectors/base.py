@@ -52,7 +52,10 @@ def add_top(
     """
     if k == 0:
         return keep
-    ranked = scores.masked_fill(~candidates, float("-inf")).topk(k, dim=-1)  # sorted, best first
+    # candidates rank above every other position, also where a scorer gave them -inf (a tie with the positions masked
+    # out would let top-k pick those, and keep fewer than the need)
+    lowest = torch.finfo(scores.dtype).min
+    ranked = torch.where(candidates, scores.clamp(min=lowest), float("-inf")).topk(k, dim=-1)  # sorted, best first
     take = torch.arange(k, device=scores.device)[None, None, :] < need[:, :, None]  # (b, h, k)
     added = torch.zeros_like(keep)
     added.scatter_(-1, ranked.indices, take)
