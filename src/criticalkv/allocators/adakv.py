@@ -9,7 +9,7 @@ import torch
 
 from criticalkv.distributed.balance import cap_rank_imbalance
 from criticalkv.distributed.heads import every_head, head_shard
-from criticalkv.scorers.base import LayerView
+from criticalkv.scorers.base import LayerView, padding_or_protected
 
 
 @dataclass
@@ -137,5 +137,4 @@ class AdaKVAllocator:
         # The pooled contest: the rest of the row's h * B entries go to the best remaining scores of any head.
         pooled = (h * (budgets - base)).clamp(min=0)  # (b,)
         k_safe, k_pooled = torch.stack([extra_safe.max(), pooled.max()]).tolist()  # one host read for both widths
-        outside = ~(valid & ~prot)[:, None, :]  # (b, 1, t)
-        return budgets, n_prot, base, extra_safe, pooled, k_safe, k_pooled, outside
+        return budgets, n_prot, base, extra_safe, pooled, k_safe, k_pooled, padding_or_protected(view, protected)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from transformers import PretrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DummyLayer
 
-from criticalkv.cache.compressed_layer import CompressedLayer
+from criticalkv.cache.compressed_layer import CompressedLayer, owning
 from criticalkv.distributed.layout import on_this_stage, stage_layers
 from criticalkv.errors import CacheStateError
 from criticalkv.models.families import layer_types
@@ -32,8 +32,8 @@ def release_views(layers) -> None:
             continue
         for name in ("keys", "values"):
             tensor = getattr(layer, name, None)
-            if tensor is not None and tensor.untyped_storage().nbytes() > tensor.nbytes:
-                setattr(layer, name, tensor.clone())
+            if tensor is not None:
+                setattr(layer, name, owning(tensor))
 
 
 class CompressedCache(Cache):

@@ -119,8 +119,10 @@ class CompressedLayer(CacheLayerMixin):
         keys, values = self._joined
         b, h, _, d = keys.shape
         width = self.uniform_width()
-        self._context_keys = _own(keys[:, :, :width].reshape(b * h * width, d), keys)
-        self._context_values = _own(values[:, :, :width].reshape(b * h * width, d), values)
+        # the reshape copies when the segments are not contiguous; with one segment (batch 1, one KV head) it is a
+        # view, which would keep the whole buffer, the tail's room included, alive
+        self._context_keys = owning(keys[:, :, :width].reshape(b * h * width, d))
+        self._context_values = owning(values[:, :, :width].reshape(b * h * width, d))
         self.keys, self.values = keys[:, :, width:].clone(), values[:, :, width:].clone()  # capacity kept
         self._joined = None
 
@@ -396,10 +398,7 @@ def as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask > torch.finfo(mask.dtype).min / 2
 
 
-def _own(part: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """``part`` (a reshape of the front of ``buffer``) with a storage of its own size. The reshape copies when the
-    segments are not contiguous; with one segment (batch 1, one KV head) it is a view, which would keep the whole
-    buffer, the tail's room included, alive."""
-    if part.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() and part.nbytes < buffer.nbytes:
-        return part.clone()
-    return part
+def owning(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with a storage of its own size: a copy when it is a view of a larger storage (which it would keep
+    alive whole), else itself."""
+    return tensor.clone() if tensor.untyped_storage().nbytes() > tensor.nbytes else tensor

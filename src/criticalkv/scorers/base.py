@@ -123,6 +123,17 @@ def last_positions(view: LayerView, n: int) -> torch.Tensor:
     return mask & view.valid
 
 
+def padding_or_protected(view: LayerView, protected: torch.Tensor | None) -> torch.Tensor:
+    """The positions no contest may pick: padding and ``protected`` (b, t) bool, or padding alone for None; as
+    (b, 1, t) bool, computed once per forward for a ``protected`` the forward's layers share."""
+
+    def compute() -> torch.Tensor:
+        free = view.valid if protected is None else view.valid & ~protected
+        return ~free[:, None, :]
+
+    return view.remember_for_tensors("padding or protected", (protected,), compute)
+
+
 # Keys per product on a CPU. One product over every key writes the whole (G*w, t) float32 block, which at 16k keys
 # (Qwen2.5-0.5B: 29 MB a layer) fills most of an L3 cache before the softmax reads it back; products over 512 keys
 # at a time and the softmax written over the logits took the compression of a 16k prefill from 1.12 to 0.80 CPU s,

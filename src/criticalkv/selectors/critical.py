@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from criticalkv.errors import NegativeScoreError
-from criticalkv.scorers.base import LayerView
+from criticalkv.scorers.base import LayerView, padding_or_protected
 from criticalkv.scorers.snapkv import AGGREGATES, window_head_scores
 from criticalkv.selectors.base import add_top, keep_protected, largest, open_places, take_top
 from criticalkv.selectors.norm_screen import norm_bounds, screens, take_top_by_value_norm
@@ -85,10 +85,7 @@ class CriticalSelector:
     def select(
         self, scores: torch.Tensor, budgets: torch.Tensor, protected: torch.Tensor, view: LayerView
     ) -> torch.Tensor:
-        def padding_or_protected() -> torch.Tensor:
-            return ~(view.valid & ~protected)[:, None, :]  # (b, 1, t)
-
-        outside = view.remember_for_tensors("padding or protected", (protected,), padding_or_protected)
+        outside = padding_or_protected(view, protected)  # (b, 1, t)
         negative = (scores.masked_fill(outside, 0.0) < 0).any()  # (): the sign check of the scores
         read_with_widths = []
 
