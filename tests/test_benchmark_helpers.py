@@ -333,6 +333,20 @@ def test_prefill_page_faults_count_memory_first_touched_inside_the_prefill(tiny_
     assert result["prefill_minor_faults"] >= 32
 
 
+class _UndeclaredSnapKV:
+    """SnapKV's scores from a scorer that does not say they are non-negative."""
+
+    def score(self, view):
+        from criticalkv.scorers import SnapKVScorer
+
+        return SnapKVScorer().score(view)
+
+    def protected(self, view):
+        from criticalkv.scorers import SnapKVScorer
+
+        return SnapKVScorer().protected(view)
+
+
 def test_prefill_operator_count_sees_compression_and_host_reads(tiny_tokenizer) -> None:
     """The full cache's prefill reads nothing back to the host; compression adds operators and host reads."""
     import torch
@@ -356,12 +370,17 @@ def test_prefill_operator_count_sees_compression_and_host_reads(tiny_tokenizer) 
     # many entries), the padding, and the top-k width; with every head keeping its row's budget the width is the
     # same in every layer, and the kept entries are gathered without counting them
     assert snap["prefill_host_reads"] == 4
-    # CriticalKV (float32: no screen): both stages' top-k widths once per forward, read with the first layer's sign
-    # check of the scores (one Tensor.tolist, which dispatches no operator: counted by wrapping it); the sign check
-    # alone in every later layer
+    # CriticalKV (float32: no screen): both stages' top-k widths once per forward (one Tensor.tolist, which
+    # dispatches no operator: counted by wrapping it), none per layer: SnapKV's scores are attention probabilities,
+    # non-negative by construction, so their sign is not checked
     with criticalkv.compress(model, "critical-snapkv", 0.5):
         critical = count_prefill_ops(model, ids, DynamicCache(config=config))
-    assert critical["prefill_host_reads"] == 3 + config.num_hidden_layers
+    assert critical["prefill_host_reads"] == 4
+    # a scorer that does not declare its scores non-negative has them checked: one read per layer
+    unchecked = criticalkv.Method(_UndeclaredSnapKV(), selector=criticalkv.selectors.CriticalSelector())
+    with criticalkv.compress(model, unchecked, 0.5):
+        checked = count_prefill_ops(model, ids, DynamicCache(config=config))
+    assert checked["prefill_host_reads"] == 4 + config.num_hidden_layers
     # AdaKV: its two widths from the budgets alone once per forward; per layer the selector's width of the head
     # budgets it allotted, and the kept counts (they differ per head)
     with criticalkv.compress(model, "adakv", 0.5):

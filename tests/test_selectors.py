@@ -15,8 +15,14 @@ from torch import nn
 from criticalkv.budget import Budget
 from criticalkv.errors import NegativeScoreError
 from criticalkv.runtime.method import Method
-from criticalkv.scorers import KeyNormScorer, LayerView, SnapKVScorer, TOVAScorer
-from criticalkv.selectors import CriticalSelector, TopKSelector, projected_value_norm
+from criticalkv.scorers import DefensiveScorer, KeyNormScorer, LayerView, SnapKVScorer, StreamingScorer, TOVAScorer
+from criticalkv.selectors import (
+    CriticalSelector,
+    DefensiveSelector,
+    PerturbationSelector,
+    TopKSelector,
+    projected_value_norm,
+)
 from criticalkv.selectors import value_norm as value_norm_module
 
 # --------------------------------------------------------------------------------------------------------------
@@ -279,12 +285,32 @@ def test_o_proj_bias_does_not_enter_the_norm():
 # negative scores
 
 
-def test_negative_scores_raise_in_critical_selector():
+@dataclasses.dataclass
+class _GivenScores:
+    """A scorer handing out fixed scores and protected positions, not declared non-negative."""
+
+    scores: torch.Tensor
+    kept: torch.Tensor
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        return self.scores.clone()
+
+    def protected(self, view: LayerView) -> torch.Tensor:
+        return self.kept
+
+
+def test_negative_scores_raise_where_a_selector_multiplies_them():
+    """A Method checks the sign of an undeclared scorer's scores for the selectors that multiply them by value norms
+    (naming both pieces), and not for those that only rank them."""
     view = _make_view(1, 2, 2, 8, 4, 8, [8], seed=0)
     scores = _distinct_scores(1, 2, 8, seed=0)
     scores[0, 1, 3] = -0.01
-    with pytest.raises(NegativeScoreError):
-        CriticalSelector().select(scores, torch.tensor([[3, 3]]), torch.zeros(1, 8, dtype=torch.bool), view)
+    scorer = _GivenScores(scores, torch.zeros(1, 8, dtype=torch.bool))
+    for selector in (CriticalSelector(), DefensiveSelector(window=2), PerturbationSelector(window=2, start="critical")):
+        with pytest.raises(NegativeScoreError, match=f"{type(selector).__name__}.*_GivenScores"):
+            Method(scorer, selector=selector).decide(view, Budget(0.5))
+    for selector in (TopKSelector(), PerturbationSelector(window=2, start="topk")):
+        assert Method(scorer, selector=selector).decide(view, Budget(0.5)).keep.sum(-1).tolist() == [[4, 4]]
 
 
 def test_negative_scores_on_padding_or_protected_positions_are_ignored():
@@ -294,8 +320,32 @@ def test_negative_scores_on_padding_or_protected_positions_are_ignored():
     scores[0, 0, 7] = -5.0  # protected
     protected = torch.zeros(1, 8, dtype=torch.bool)
     protected[0, 7] = True
-    keep = CriticalSelector().select(scores, torch.tensor([[3]]), protected, view)
+    keep = Method(_GivenScores(scores, protected), selector=CriticalSelector()).decide(view, Budget(3)).keep
     assert int(keep.sum()) == 3 and bool(keep[0, 0, 7]) and not bool(keep[0, 0, :2].any())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    b=st.integers(1, 3),
+    h_kv=st.integers(1, 3),
+    g=st.integers(1, 3),
+    t=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_scorers_declared_non_negative_are(b, h_kv, g, t, seed, data):
+    """The scorers that spare the sign check (``non_negative``) score every real position >= 0, padded or not, with
+    windows longer or shorter than the rows; the key norm's scores are negative and it says nothing."""
+    lengths = [data.draw(st.integers(1, t)) for _ in range(b)]
+    view = _make_view(b, h_kv, g, t, 4, 8, lengths, seed=seed)
+    window = data.draw(st.integers(1, 8))
+    scorers = (SnapKVScorer(window=window), TOVAScorer(), StreamingScorer(), DefensiveScorer(window=window))
+    for scorer in scorers:
+        assert scorer.non_negative
+        scores = scorer.score(view)
+        # what the sign check would see (a row no longer than the window, kept whole, may score NaN: not negative)
+        assert not bool((scores.masked_fill(~view.valid[:, None, :], 0.0) < 0).any()), type(scorer).__name__
+    assert not getattr(KeyNormScorer(), "non_negative", False)
 
 
 def test_key_norm_scores_through_critical_method_raise():

@@ -9,8 +9,9 @@ import torch
 from criticalkv.allocators import Allocator, UniformAllocator
 from criticalkv.allocators.pyramid import compressed_layer_position
 from criticalkv.budget import Budget
-from criticalkv.errors import CriticalKVError
+from criticalkv.errors import CriticalKVError, NegativeScoreError
 from criticalkv.scorers import LayerView, Scorer
+from criticalkv.scorers.base import padding_or_protected
 from criticalkv.selectors import Selector, TopKSelector
 
 
@@ -131,6 +132,7 @@ class Method:
         if scores is None:
             scores = [self.scores_of(view) for view in views]
         scores = [s.clone() for s in scores]  # shared with other methods deciding on these views
+        self._check_signs(scores, plans, views)
         rank = getattr(self.selector, "rank", None)
         if rank is not None:
             scores = [rank(s, p.row_budgets, p.protected, v) for s, p, v in zip(scores, plans, views, strict=True)]
@@ -150,6 +152,25 @@ class Method:
                 for s, p, v in zip(scores, plans, views, strict=True)
             ]
         return [self._select(view, plan, s, b) for view, plan, s, b in zip(views, plans, scores, budgets, strict=True)]
+
+    def _check_signs(self, scores: list[torch.Tensor], plans: list[_LayerPlan], views: list[LayerView]) -> None:
+        """A selector that multiplies scores by value norms (``needs_non_negative_scores``) needs them >= 0 wherever it
+        picks; unless the scorer guarantees it by construction (``non_negative``), they are checked: one host read
+        for the layers given (on a GPU a wait, which the built-in scorers spare every layer)."""
+        if not getattr(self.selector, "needs_non_negative_scores", False) or getattr(
+            self.scorer, "non_negative", False
+        ):
+            return
+        negative = [
+            (s.masked_fill(padding_or_protected(v, p.protected), 0.0) < 0).any()
+            for s, p, v in zip(scores, plans, views, strict=True)
+        ]
+        if bool(torch.stack(negative).any()):
+            raise NegativeScoreError(
+                f"{type(self.selector).__name__} multiplies scores by value norms, so scores must be >= 0; "
+                f"{type(self.scorer).__name__} produced negative scores (e.g. a negated key norm): shift them to be "
+                "non-negative or use the top-k selector"
+            )
 
     def _stream(self, views: list[LayerView], budget: Budget, scores: list[torch.Tensor] | None) -> list[Decision]:
         """A streaming allocator's decisions for layers given together (a deferred method): layer by layer with one

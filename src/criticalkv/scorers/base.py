@@ -103,7 +103,13 @@ class LayerView:
 
 
 class Scorer(Protocol):
-    """Scores every cached entry of a layer; higher means more worth keeping."""
+    """Scores every cached entry of a layer; higher means more worth keeping.
+
+    A scorer whose scores are >= 0 by construction (attention probabilities, recency) says so with a class
+    attribute ``non_negative = True``: a selector that multiplies scores by value norms (CriticalKV, DefensiveKV)
+    then trusts it, where otherwise a ``Method`` checks the sign of every layer's scores (a host read per layer,
+    on a GPU a wait for the device).
+    """
 
     def score(self, view: LayerView) -> torch.Tensor:
         """Scores (b, h_kv, t), float32. Values at padding positions are ignored."""

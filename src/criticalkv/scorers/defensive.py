@@ -8,6 +8,7 @@ attention on the context and the attention mass the window puts on its own posit
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +90,8 @@ class DefensiveScorer:
     Computed in float32 (the reference casts the softmax back to the model dtype); per row, so padding columns
     neither count in the pooled mass nor in the head mean (the reference handles batch size 1 only).
     """
+
+    non_negative: ClassVar[bool] = True  # attention probabilities, pooled, rescaled by masses and maxima (Scorer)
 
     window: int = 32
     kernel: int = 5

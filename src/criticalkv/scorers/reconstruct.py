@@ -212,6 +212,8 @@ class ReconstructionScorer:
         ``name_or_path`` (what ``criticalkv.models.load_model`` gives). Needed to write the repeat prompt.
     """
 
+    non_negative: ClassVar[bool] = True  # maxima of attention probabilities (Scorer)
+
     chunk_size: int = 2048
     query_stride: int = 1
     sinks: int = 4

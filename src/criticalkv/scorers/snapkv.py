@@ -4,6 +4,7 @@ entries later tokens will read."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,8 @@ class SnapKVScorer:
         How the window queries' attention is reduced per entry: ``"mean"`` (SnapKV, the paper) or ``"max"``
         (an ablation; DefensiveKV's choice).
     """
+
+    non_negative: ClassVar[bool] = True  # attention probabilities, pooled and averaged (Scorer)
 
     window: int = 32
     kernel: int = 5

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -18,6 +19,8 @@ class StreamingScorer:
     sinks
         Number of initial tokens kept as attention sinks (4, as in kvpress and the paper).
     """
+
+    non_negative: ClassVar[bool] = True  # recency in (0, 1] (Scorer)
 
     sinks: int = 4
 

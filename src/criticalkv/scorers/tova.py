@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -14,6 +15,8 @@ from criticalkv.scorers.base import LayerView, last_positions, window_attention
 class TOVAScorer:
     """Attention of the last prompt token, mean over all query heads of the layer (one score per position,
     shared by every KV head, as in kvpress). The last token itself is always kept."""
+
+    non_negative: ClassVar[bool] = True  # attention probabilities, averaged (Scorer)
 
     def score(self, view: LayerView) -> torch.Tensor:
         b, h_kv, t, _ = view.keys.shape

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from criticalkv.errors import NegativeScoreError
-from criticalkv.scorers.base import LayerView, padding_or_protected
+from criticalkv.scorers.base import LayerView
 from criticalkv.scorers.snapkv import AGGREGATES, window_head_scores
 from criticalkv.selectors.base import add_top, keep_protected, largest, open_places, take_top
 from criticalkv.selectors.norm_screen import norm_bounds, screens, take_top_by_value_norm
@@ -25,7 +25,8 @@ class CriticalSelector:
     Stage 1 secures a large kept attention mass, the condition under which the paper's bound on the output
     perturbation holds; stage 2 re-scores the remaining entries by their projected value norm. Protected
     entries (e.g. SnapKV's window) count in stage 1 first, as they do in kvpress, where they carry the
-    highest score.
+    highest score. The scores must be >= 0 outside padding and protected positions (stage 2 multiplies them by
+    norms): a ``Method`` checks it, unless its scorer is non-negative by construction (``Scorer``).
 
     Parameters
     ----------
@@ -65,6 +66,7 @@ class CriticalSelector:
     window: int = 32
     kernel: int = 5
     aggregate: str = "mean"
+    needs_non_negative_scores: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -85,10 +87,6 @@ class CriticalSelector:
     def select(
         self, scores: torch.Tensor, budgets: torch.Tensor, protected: torch.Tensor, view: LayerView
     ) -> torch.Tensor:
-        outside = padding_or_protected(view, protected)  # (b, 1, t)
-        negative = (scores.masked_fill(outside, 0.0) < 0).any()  # (): the sign check of the scores
-        read_with_widths = []
-
         def start() -> tuple[torch.Tensor, ...]:
             """The stages' plan from the budgets alone: once per forward under a uniform allocator."""
             keep = keep_protected(protected, budgets)  # (b, h_kv, t)
@@ -96,21 +94,12 @@ class CriticalSelector:
             open1, need1 = open_places(keep, view.valid, stage1 - keep.sum(-1))  # (b, h_kv, t), (b, h_kv)
             # stage 1 adds exactly need1 entries, so stage 2's need (capped by what is left) is known before it runs
             need2 = torch.minimum((budgets - keep.sum(-1) - need1).clamp(min=0), open1.sum(-1) - need1)  # (b, h_kv)
-            # the two top-k widths and this layer's sign check in one host read (on a GPU each read is a wait)
-            k1, k2, sign = torch.stack([largest(need1), largest(need2), negative.long()]).tolist()
-            read_with_widths.append(sign)
+            k1, k2 = torch.stack([largest(need1), largest(need2)]).tolist()  # the two top-k widths in one host read
             return keep, open1, need1, need2, k1, k2
 
         keep, open1, need1, need2, k1, k2 = view.remember_for_tensors(
             ("critical start", self.alpha), (budgets, protected), start
         )
-        any_negative = read_with_widths[0] if read_with_widths else bool(negative)
-        if any_negative:
-            raise NegativeScoreError(
-                "the CriticalKV selector multiplies scores by value norms, so scores must be >= 0; "
-                "this scorer produced negative scores (e.g. a negated key norm): shift them to be non-negative "
-                "or use the top-k selector"
-            )
         keep = add_top(scores, keep, open1, need1, k1)
         if self._screens(view):
             weights = self._stage2_attention(scores, view) + self.eps  # (b, h_kv, t)

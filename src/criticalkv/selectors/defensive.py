@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from criticalkv.distributed.heads import head_shard, share_every_head
-from criticalkv.errors import NegativeScoreError
 from criticalkv.scorers.base import LayerView
 from criticalkv.scorers.defensive import MASS_SLICES, WindowStatistics, window_statistics
 from criticalkv.selectors.base import keep_protected
@@ -53,6 +53,7 @@ class DefensiveSelector:
     window: int = 32
     mass: float = 0.9
     mass_slice: str = "intended"
+    needs_non_negative_scores: ClassVar[bool] = True  # checked by a Method (the value term multiplies them)
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -101,11 +102,6 @@ class DefensiveSelector:
     ) -> torch.Tensor:
         """The ranking of every head given: scores, norms (b, h, t), the heads' window statistics."""
         candidates = valid & ~protected  # (b, t)
-        if bool((scores.masked_fill(~candidates[:, None, :], 0.0) < 0).any()):
-            raise NegativeScoreError(
-                "the DefensiveKV selector multiplies scores by value norms, so scores must be >= 0; this scorer "
-                "produced negative scores (e.g. a negated key norm)"
-            )
         shares = norms / norms.sum(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
         weighted = (scores * shares).masked_fill(~candidates[:, None, :], 0.0)  # (b, h_kv, t)
         # (b, 1, 1): strictly above every p, so no entry ties with stage 1 and the window

@@ -446,6 +446,11 @@ class PerturbationSelector:
             aggregate=self.aggregate,
         )
 
+    @property
+    def needs_non_negative_scores(self) -> bool:
+        """The CriticalKV start multiplies the scores by value norms (a ``Method`` then checks their sign)."""
+        return self.start == "critical"
+
     def starting_selector(self) -> CriticalSelector | TopKSelector:
         """The selector whose set the swaps start from."""
         return TopKSelector() if self.start == "topk" else self._critical()
