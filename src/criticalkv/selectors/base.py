@@ -10,7 +10,11 @@ from criticalkv.scorers.base import LayerView
 
 
 class Selector(Protocol):
-    """Chooses which entries fill each head's budget."""
+    """Chooses which entries fill each head's budget.
+
+    A selector that multiplies scores by value norms says so with ``needs_non_negative_scores = True``: a ``Method``
+    then refuses negative scores (``NegativeScoreError``) unless its scorer is non-negative by construction.
+    """
 
     def select(
         self, scores: torch.Tensor, budgets: torch.Tensor, protected: torch.Tensor, view: LayerView
