@@ -414,3 +414,66 @@ def test_one_process_sees_every_head():
     assert head_shard(view) is None
     assert output_projection(attention.o_proj.weight, 64) is attention.o_proj.weight
     assert view.o_proj_weight is attention.o_proj.weight
+
+
+class _NegativeOnRankOne:
+    """Scores below zero on the heads rank 1 holds, not declared non-negative."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        b, h, t, _ = view.keys.shape
+        return torch.rand(b, h, t, generator=torch.Generator().manual_seed(0)) - (0.5 if self.rank == 1 else 0.0)
+
+    def protected(self, view: LayerView) -> torch.Tensor:
+        return torch.zeros_like(view.valid)
+
+
+def _sign_check_on_two_ranks(rank: int, port: int, out: str) -> None:
+    """One of 2 gloo ranks holding 1 of 2 KV heads (head_shard patched) decides a layer whose scores are negative
+    on rank 1's head alone; writes what each selector raised."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from criticalkv.budget import Budget
+    from criticalkv.distributed.heads import HeadShard
+    from criticalkv.runtime import method as method_module
+    from criticalkv.selectors import CriticalSelector, DefensiveSelector
+    from criticalkv.selectors import defensive as defensive_module
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    shard = HeadShard(dist.group.WORLD, rank, 2, 1)
+    method_module.head_shard = defensive_module.head_shard = lambda view: shard
+    defensive_module.share_every_head = lambda *args: None
+    module = LlamaForCausalLM(_config(96)).model.layers[0].self_attn
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = torch.randn(1, 2, 16, 16, generator=g), torch.randn(1, 1, 16, 16, generator=g), torch.randn(1, 1, 16, 16)
+    raised = {}
+    for selector in (CriticalSelector(window=4), DefensiveSelector(window=4)):
+        view = LayerView(module, q, k, v, torch.ones(1, 16, dtype=torch.bool), 0.25)
+        try:
+            Method(_NegativeOnRankOne(rank), selector=selector).decide(view, Budget(0.5))
+            raised[type(selector).__name__] = None
+        except Exception as error:  # what each rank raised is the result
+            raised[type(selector).__name__] = type(error).__name__
+    Path(out, f"{rank}.json").write_text(json.dumps(raised))
+    dist.destroy_process_group()
+
+
+def test_negative_scores_on_one_rank_raise_on_every_rank(tmp_path):
+    """Under tensor parallelism the sign check's verdict is gathered: every rank raises, not the one holding the
+    negative scores alone while the others wait for it in the next collective."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    mp.spawn(_sign_check_on_two_ranks, args=(port, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        raised = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert raised == {"CriticalSelector": "NegativeScoreError", "DefensiveSelector": "NegativeScoreError"}, rank

@@ -15,7 +15,16 @@ from torch import nn
 from criticalkv.budget import Budget
 from criticalkv.errors import NegativeScoreError
 from criticalkv.runtime.method import Method
-from criticalkv.scorers import DefensiveScorer, KeyNormScorer, LayerView, SnapKVScorer, StreamingScorer, TOVAScorer
+from criticalkv.scorers import (
+    DefensiveScorer,
+    KeyNormScorer,
+    LayerView,
+    ReconstructionScorer,
+    SnapKVScorer,
+    StreamingScorer,
+    TOVAScorer,
+)
+from criticalkv.scorers.base import declares_non_negative
 from criticalkv.selectors import (
     CriticalSelector,
     DefensiveSelector,
@@ -335,17 +344,65 @@ def test_negative_scores_on_padding_or_protected_positions_are_ignored():
 )
 def test_scorers_declared_non_negative_are(b, h_kv, g, t, seed, data):
     """The scorers that spare the sign check (``non_negative``) score every real position >= 0, padded or not, with
-    windows longer or shorter than the rows; the key norm's scores are negative and it says nothing."""
+    windows longer or shorter than the rows, any pooling and aggregate; the key norm's scores are negative and it
+    says nothing. (The reconstruction scorer's: tests/test_reconstruct.py, attention weights in [0, 1].)"""
     lengths = [data.draw(st.integers(1, t)) for _ in range(b)]
     view = _make_view(b, h_kv, g, t, 4, 8, lengths, seed=seed)
-    window = data.draw(st.integers(1, 8))
-    scorers = (SnapKVScorer(window=window), TOVAScorer(), StreamingScorer(), DefensiveScorer(window=window))
+    window, kernel = data.draw(st.integers(1, 8)), data.draw(st.sampled_from([1, 3, 5, 9]))
+    aggregate = data.draw(st.sampled_from(["mean", "max"]))
+    scorers = (
+        SnapKVScorer(window=window, kernel=kernel, aggregate=aggregate),
+        TOVAScorer(),
+        StreamingScorer(sinks=data.draw(st.integers(0, 6))),
+        DefensiveScorer(window=window, kernel=kernel),
+    )
     for scorer in scorers:
         assert scorer.non_negative
         scores = scorer.score(view)
         # what the sign check would see (a row no longer than the window, kept whole, may score NaN: not negative)
         assert not bool((scores.masked_fill(~view.valid[:, None, :], 0.0) < 0).any()), type(scorer).__name__
     assert not getattr(KeyNormScorer(), "non_negative", False)
+
+
+def test_a_subclass_computing_scores_anew_is_not_trusted_until_it_says_so():
+    """``declares_non_negative``: a subclass that overrides ``score`` below the class that declared the scores
+    non-negative (a shifted SnapKV) has them checked, and raises when they are negative; one that overrides only
+    ``protected``, or says so itself, is trusted."""
+
+    class Shifted(SnapKVScorer):
+        def score(self, view: LayerView) -> torch.Tensor:
+            return super().score(view) - 0.05
+
+    class ShiftedUp(Shifted):
+        non_negative = True
+
+        def score(self, view: LayerView) -> torch.Tensor:
+            return super().score(view) + 0.05
+
+    class NoWindow(SnapKVScorer):
+        def protected(self, view: LayerView) -> torch.Tensor:
+            return torch.zeros_like(view.valid)
+
+    class Retracted(SnapKVScorer):
+        non_negative = False
+
+    assert declares_non_negative(SnapKVScorer()) and declares_non_negative(ReconstructionScorer())
+    assert declares_non_negative(NoWindow()) and declares_non_negative(ShiftedUp())
+    assert not declares_non_negative(Shifted()) and not declares_non_negative(Retracted())
+    assert not declares_non_negative(KeyNormScorer())
+    view = _make_view(1, 2, 2, 16, 4, 8, [16], seed=1)
+    with pytest.raises(NegativeScoreError, match="Shifted"):
+        Method(Shifted(window=4), selector=CriticalSelector(window=4)).decide(view, Budget(0.5))
+
+
+def test_scores_given_to_decide_layers_are_checked_whatever_the_scorer_declares():
+    """Scores handed to ``decide_layers`` did not come from the scorer: their sign is checked."""
+    view = _make_view(1, 2, 2, 16, 4, 8, [16], seed=2)
+    method = Method(SnapKVScorer(window=4), selector=CriticalSelector(window=4))
+    negated = [-SnapKVScorer(window=4).score(view)]
+    with pytest.raises(NegativeScoreError):
+        method.decide_layers([view], Budget(0.5), scores=negated)
+    assert method.decide_layers([view], Budget(0.5), scores=[-negated[0]])[0].keep.sum(-1).tolist() == [[8, 8]]
 
 
 def test_key_norm_scores_through_critical_method_raise():

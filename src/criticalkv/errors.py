@@ -22,7 +22,8 @@ class MethodOptionError(CriticalKVError):
 
 
 class NegativeScoreError(CriticalKVError):
-    """Scores fed to the CriticalKV selector are negative, so attention x value-norm would mean nothing."""
+    """Scores fed to a selector that multiplies them by value norms (CriticalKV, DefensiveKV) are negative, so
+    attention x value-norm would mean nothing (``Method`` checks)."""
 
 
 class PaddingError(CriticalKVError):

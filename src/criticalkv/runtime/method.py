@@ -9,9 +9,10 @@ import torch
 from criticalkv.allocators import Allocator, UniformAllocator
 from criticalkv.allocators.pyramid import compressed_layer_position
 from criticalkv.budget import Budget
+from criticalkv.distributed.heads import head_shard
 from criticalkv.errors import CriticalKVError, NegativeScoreError
 from criticalkv.scorers import LayerView, Scorer
-from criticalkv.scorers.base import padding_or_protected
+from criticalkv.scorers.base import declares_non_negative, padding_or_protected
 from criticalkv.selectors import Selector, TopKSelector
 
 
@@ -111,11 +112,12 @@ class Method:
         """Decide several layers of one prefill together.
 
         ``scores`` (one (b, h_kv, t) tensor per view) replaces the scorer's, for scorers that compute them from
-        passes after the prefill. A cross-layer allocator splits the budget over every layer given; other
-        allocators split each layer's budget over its heads, exactly as ``decide`` does layer by layer. A selector
-        with a ``rank`` method re-scores each layer first (DefensiveKV): allocation and selection follow its ranking.
-        A streaming allocator given every layer of a prefill (a deferred method) decides them in order, its shrink
-        orders applied to the earlier layers' decisions.
+        passes after the prefill (their sign is then checked where the selector needs it, whatever the scorer
+        declares: one host read for the layers given). A cross-layer allocator splits the budget over every layer
+        given; other allocators split each layer's budget over its heads, exactly as ``decide`` does layer by
+        layer. A selector with a ``rank`` method re-scores each layer first (DefensiveKV): allocation and selection
+        follow its ranking. A streaming allocator given every layer of a prefill (a deferred method) decides them
+        in order, its shrink orders applied to the earlier layers' decisions.
         """
         streaming = bool(getattr(self.allocator, "streaming", False))
         if streaming and state is None and len(views) == compressed_layer_position(views[0].module)[1]:
@@ -129,10 +131,11 @@ class Method:
         plans = [self._plan(view, budget) for view in views]
         if plans[0].all_whole:  # lengths, budget and protected positions are shared by every layer
             return [self._whole(view, plan) for view, plan in zip(views, plans, strict=True)]
+        given = scores is not None
         if scores is None:
             scores = [self.scores_of(view) for view in views]
         scores = [s.clone() for s in scores]  # shared with other methods deciding on these views
-        self._check_signs(scores, plans, views)
+        self._check_signs(scores, plans, views, given)
         rank = getattr(self.selector, "rank", None)
         if rank is not None:
             scores = [rank(s, p.row_budgets, p.protected, v) for s, p, v in zip(scores, plans, views, strict=True)]
@@ -153,19 +156,25 @@ class Method:
             ]
         return [self._select(view, plan, s, b) for view, plan, s, b in zip(views, plans, scores, budgets, strict=True)]
 
-    def _check_signs(self, scores: list[torch.Tensor], plans: list[_LayerPlan], views: list[LayerView]) -> None:
+    def _check_signs(
+        self, scores: list[torch.Tensor], plans: list[_LayerPlan], views: list[LayerView], given: bool
+    ) -> None:
         """A selector that multiplies scores by value norms (``needs_non_negative_scores``) needs them >= 0 wherever it
-        picks; unless the scorer guarantees it by construction (``non_negative``), they are checked: one host read
-        for the layers given (on a GPU a wait, which the built-in scorers spare every layer)."""
-        if not getattr(self.selector, "needs_non_negative_scores", False) or getattr(
-            self.scorer, "non_negative", False
-        ):
+        picks. They are checked, in one host read for the layers given (on a GPU a wait), unless they are the
+        scorer's own (not ``given`` to ``decide_layers``) and it is non-negative by construction
+        (``declares_non_negative``): the built-in scorers spare every layer the wait."""
+        if not getattr(self.selector, "needs_non_negative_scores", False):
             return
-        negative = [
-            (s.masked_fill(padding_or_protected(v, p.protected), 0.0) < 0).any()
-            for s, p, v in zip(scores, plans, views, strict=True)
-        ]
-        if bool(torch.stack(negative).any()):
+        if not given and declares_non_negative(self.scorer):
+            return
+        flags = []
+        for s, p, v in zip(scores, plans, views, strict=True):
+            negative = (s.masked_fill(padding_or_protected(v, p.protected), 0.0) < 0).any()  # ()
+            shard = head_shard(v)
+            if shard is not None:  # tensor parallelism: every rank raises, not one alone while the others wait
+                negative = shard.gather(negative.view(1, 1)).any()
+            flags.append(negative)
+        if bool(torch.stack(flags).any()):
             raise NegativeScoreError(
                 f"{type(self.selector).__name__} multiplies scores by value norms, so scores must be >= 0; "
                 f"{type(self.scorer).__name__} produced negative scores (e.g. a negated key norm): shift them to be "

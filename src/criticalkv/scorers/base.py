@@ -108,7 +108,8 @@ class Scorer(Protocol):
     A scorer whose scores are >= 0 by construction (attention probabilities, recency) says so with a class
     attribute ``non_negative = True``: a selector that multiplies scores by value norms (CriticalKV, DefensiveKV)
     then trusts it, where otherwise a ``Method`` checks the sign of every layer's scores (a host read per layer,
-    on a GPU a wait for the device).
+    on a GPU a wait for the device). A subclass that computes the scores anew must say so again
+    (``declares_non_negative``).
     """
 
     def score(self, view: LayerView) -> torch.Tensor:
@@ -118,6 +119,24 @@ class Scorer(Protocol):
     def protected(self, view: LayerView) -> torch.Tensor:
         """Positions always kept and counted inside the budget: (b, t) bool."""
         ...
+
+
+SCORING_METHODS = ("score", "score_after_prefill")
+
+
+def declares_non_negative(scorer: object) -> bool:
+    """Whether ``scorer``'s scores are >= 0 by its class's word (``non_negative = True``), given by the class that
+    computes them or a subclass of it: a subclass that overrides ``score`` (e.g. shifting a built-in scorer's
+    scores) below the class that said so is not trusted until it says so itself."""
+    mro = type(scorer).__mro__
+    owner = next((cls for cls in mro if "non_negative" in vars(cls)), None)
+    if owner is None or not vars(owner)["non_negative"]:
+        return False
+    for name in SCORING_METHODS:
+        source = next((cls for cls in mro if name in vars(cls)), None)
+        if source is not None and not issubclass(owner, source):
+            return False
+    return True
 
 
 def last_positions(view: LayerView, n: int) -> torch.Tensor:
@@ -172,7 +191,10 @@ def window_attention(view: LayerView, window: int) -> torch.Tensor:
     if view.query.shape[2] < w:
         raise ValueError(f"the window's {w} queries are needed, the view holds the last {view.query.shape[2]}")
     # The last w query rows are the last w positions (a deferred layer keeps only its last rows of the query).
-    q = view.query[:, :, -w:, :].float().reshape(b, h_kv, g * w, d) * view.scaling  # (b, h_kv, G*w, d)
+    # one copy: float32 laid out as (b, h_q, w, d), so the group's rows join without a second one (the attention's
+    # queries arrive as a transposed (b, t, h_q, d) layout)
+    q = view.query[:, :, -w:, :].to(torch.float32, memory_format=torch.contiguous_format)
+    q = q.reshape(b, h_kv, g * w, d) * view.scaling  # (b, h_kv, G*w, d): a view, unless the queries were float32
     logits = window_logits(q, view.keys.float()).view(b, h_kv, g, w, t)  # (b, h_kv, G, w, t)
     # causal: only the window's own columns can lie ahead of a window query; (w, w): key after query
     ahead = view.remember_for_prefill(
