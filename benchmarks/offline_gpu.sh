@@ -22,16 +22,19 @@
 #      (length, method, system) with CKV_GPU_RUNS timed runs each after a warm-up, and the operators and host reads
 #      of one more prefill (--count-ops), written after every process; gpu_speed_<model>.md, its tables.
 #
-# Settings (environment variables): CKV_GPU_PYTHON (python3), CKV_GPU_MODELS (smollm2-135m; for both steps: the
-# presets whose shapes are measured, converted by prepare on first use), CKV_GPU_LENGTHS (2048), CKV_GPU_METHODS
-# (full,snapkv,critical-snapkv,critical-snapkv:screen=false,critical-adakv), CKV_GPU_RUNS (5), CKV_GPU_DEVICE
-# (cuda; cpu tries the plumbing on a machine without a GPU), CKV_GPU_TESTS (1; 0 skips step 2); for prepare,
-# CKV_WHEEL_PYTHON (3.12: the GPU machine's python version) and CKV_WHEEL_PLATFORMS.
+# Settings (environment variables): CKV_GPU_PYTHON (python3; for prepare, .venv's when there), CKV_GPU_MODELS
+# (smollm2-135m; for both steps: the presets whose shapes are measured, converted by prepare on first use),
+# CKV_GPU_LENGTHS (2048), CKV_GPU_METHODS (full,snapkv,critical-snapkv,critical-snapkv:screen=false,critical-adakv),
+# CKV_GPU_RUNS (5), CKV_GPU_DEVICE (cuda; cpu tries the plumbing on a machine without a GPU), CKV_GPU_TESTS (1; 0
+# skips step 2); for prepare, CKV_WHEEL_PYTHON (3.12: the GPU machine's python version) and CKV_WHEEL_PLATFORMS.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(dirname "$HERE")"
-PYTHON="${CKV_GPU_PYTHON:-python3}"
+PYTHON="${CKV_GPU_PYTHON:-python3}"  # run: the GPU machine's python, which holds its CUDA torch
+if [ "${1:-}" = prepare ] && [ -z "${CKV_GPU_PYTHON:-}" ] && [ -x "$REPO/.venv/bin/python" ]; then
+    PYTHON="$REPO/.venv/bin/python"  # prepare: the environment ./ckv made (criticalkv resolves the presets' folders)
+fi
 
 # transformers for criticalkv (pyproject: >= 5.24) and what the GPU image lacks of criticalkv's imports
 OURS_WHEELS=(transformers==5.24.0 platformdirs==4.14.9)
