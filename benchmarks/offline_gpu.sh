@@ -142,7 +142,8 @@ if side == "ours":
 else:
     import kvpress
     own = "kvpress " + m.version("kvpress")
-print(side, "torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__, own)
+versions = ("torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__)
+print(side, *versions, own)
 if sys.argv[2] == "cuda" and not torch.cuda.is_available():
     sys.exit("torch sees no GPU")'
     {
