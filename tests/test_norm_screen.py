@@ -180,3 +180,30 @@ def test_screen_on_cuda_chooses_what_float32_norms_choose():
         assert "value_norm_bounds" in view.memo
         want = CriticalSelector(screen=False).select(scores, budgets, protected, view)
         assert torch.equal(got, want), seed
+
+
+def test_weight_row_sums_are_computed_once_per_weight_and_again_when_it_changes():
+    """The bound's |W| row sums are kept per o_proj weight across prefills: the same tensor while the weight is
+    unchanged, computed anew after an in-place change or new storage (``module.to``), forgotten with the weight."""
+    import gc
+
+    def direct(w: torch.Tensor) -> torch.Tensor:
+        return w.float().abs().view(8, 2, 3, 4).sum(0).mean(1)  # hidden 8, h_kv 2, groups 3, d 4
+
+    layer = nn.Linear(24, 8, bias=False)
+    w = layer.weight
+    first = norm_screen._abs_row_sums(w, 2, 4)
+    assert torch.equal(first, direct(w)) and norm_screen._abs_row_sums(w, 2, 4) is first
+    with torch.no_grad():
+        w.mul_(-2.0)
+    changed = norm_screen._abs_row_sums(w, 2, 4)
+    assert changed is not first and torch.equal(changed, direct(w))
+    layer.to(torch.float64)  # module.to swaps the parameter's storage
+    assert torch.equal(norm_screen._abs_row_sums(layer.weight, 2, 4), direct(layer.weight))
+    with torch.inference_mode():
+        frozen = torch.randn(8, 24)
+    assert torch.equal(norm_screen._abs_row_sums(frozen, 2, 4), direct(frozen))
+    held = len(norm_screen._ROW_SUMS)
+    del layer, w
+    gc.collect()
+    assert len(norm_screen._ROW_SUMS) == held - 1

@@ -9,6 +9,8 @@ and recomputes in float32 only the few it cannot settle. The chosen set is the f
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from criticalkv.selectors.base import add_top, largest, open_places
@@ -110,8 +112,34 @@ def _abs_coefficient(values: torch.Tensor) -> float:
 
 def _abs_product_sum(values: torch.Tensor, o_proj_weight: torch.Tensor) -> torch.Tensor:
     """M_i = mean over the group's query heads g of sum_j sum_k |V_ik| |W^g_kj|: (b, h_kv, t) float32."""
-    h_kv, d = values.shape[1], values.shape[3]
-    hidden = o_proj_weight.shape[0]
-    g = o_proj_weight.shape[1] // (h_kv * d)
-    row_sums = o_proj_weight.float().abs().view(hidden, h_kv, g, d).sum(0).mean(1)  # (h_kv, d)
+    row_sums = _abs_row_sums(o_proj_weight, values.shape[1], values.shape[3])  # (h_kv, d)
     return torch.matmul(values.float().abs(), row_sums[..., None]).squeeze(-1)  # (b, h_kv, t)
+
+
+# id(weight) -> (a weak reference to it, what it was computed from, the row sums): a model's o_proj weights
+# do not change between prefills, so their absolute row sums are computed once, not in every prefill (each time a
+# float32 copy of the weight: 64 MiB a layer for Llama-3-8B). A tensor as a dict key would compare elementwise.
+_ROW_SUMS: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
+
+
+def _abs_row_sums(o_proj_weight: torch.Tensor, h_kv: int, d: int) -> torch.Tensor:
+    """sum_j |W^g_kj| averaged over the group's query heads g: (h_kv, d) float32, from o_proj_weight
+    (hidden, h_q * d); computed again when the weight changes in place (its version) or is given other storage,
+    dtype or device (``module.to``). An inference tensor has no version to tell: its sums are computed every time."""
+
+    def compute() -> torch.Tensor:
+        hidden, g = o_proj_weight.shape[0], o_proj_weight.shape[1] // (h_kv * d)
+        with torch.no_grad():  # no graph: a kept graph would hold the weight alive
+            return o_proj_weight.float().abs().view(hidden, h_kv, g, d).sum(0).mean(1)  # (h_kv, d)
+
+    if o_proj_weight.is_inference():
+        return compute()
+    stamp = (o_proj_weight._version, o_proj_weight.data_ptr(), o_proj_weight.dtype, o_proj_weight.device, h_kv, d)
+    cached = _ROW_SUMS.get(id(o_proj_weight))
+    if cached is not None and cached[0]() is o_proj_weight and cached[1] == stamp:
+        return cached[2]
+    row_sums = compute()
+    if cached is None:  # the entry goes with the weight
+        weakref.finalize(o_proj_weight, _ROW_SUMS.pop, id(o_proj_weight), None)
+    _ROW_SUMS[id(o_proj_weight)] = (weakref.ref(o_proj_weight), stamp, row_sums)
+    return row_sums
