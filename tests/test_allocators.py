@@ -553,3 +553,18 @@ def test_calibration_runs_on_a_model_with_sliding_window_layers(tiny_tokenizer):
     assert profile.matrix.shape == (2, 2) and bool((profile.matrix >= 0.01).all())
     assert torch.tensor(profile.query_scores).shape == (2, 4)
     assert not profile.mismatches(model.config)
+
+
+def test_a_profile_option_names_a_saved_profile_by_its_path(tmp_path):
+    """``--option profile=<path>`` (a string on the command line) loads the profile ``calibrate-heads --out``
+    saved; a path that holds none is refused as a bad option value."""
+    from criticalkv.errors import MethodOptionError
+    from criticalkv.methods import build_method
+
+    profile = _profile(_config(), seed=5)
+    path = profile.save(tmp_path / "p.json")
+    method = build_method("headkv", profile=str(path))
+    assert method.allocator.profile == HeadProfile.load(path)
+    assert build_method(f"critical-headkv:profile={path}").allocator.profile == method.allocator.profile
+    with pytest.raises(MethodOptionError, match="cannot read head profile"):
+        build_method("headkv", profile=str(tmp_path / "missing.json"))

@@ -16,7 +16,7 @@ from criticalkv.allocators import (
     PyramidAllocator,
     UniformAllocator,
 )
-from criticalkv.errors import MethodOptionError, UnknownMethodError
+from criticalkv.errors import CriticalKVError, MethodOptionError, UnknownMethodError
 from criticalkv.runtime.method import Method
 from criticalkv.scorers import (
     DefensiveScorer,
@@ -165,8 +165,9 @@ def parse_method_spec(spec: str) -> tuple[str, dict[str, object]]:
 
 
 def _typed(value: object, annotation: object) -> object:
-    """``value`` as the field annotated ``annotation`` takes it (an int for ``float`` becomes a float); raises
-    TypeError when no member of the annotation accepts it (a bool is never an int or a float here)."""
+    """``value`` as the field annotated ``annotation`` takes it (an int for ``float`` becomes a float, a path for a
+    type with a ``load`` classmethod is loaded); raises TypeError when no member of the annotation accepts it (a bool
+    is never an int or a float here)."""
     members = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
     for member in members:
         if member is type(None) and value is None:
@@ -177,6 +178,8 @@ def _typed(value: object, annotation: object) -> object:
             return value
         if isinstance(member, type) and member not in (int, float, type(None)) and isinstance(value, member):
             return value
+        if isinstance(member, type) and isinstance(value, str) and callable(getattr(member, "load", None)):
+            return member.load(value)  # an object saved to a file, named by its path (a calibrated HeadKV profile)
     expected = " or ".join("None" if m is type(None) else getattr(m, "__name__", str(m)) for m in members)
     raise TypeError(f"expected {expected}, got {value!r}")
 
@@ -220,6 +223,6 @@ def build_method(name: str, **options: object) -> Method | None:
         for owner in owners:
             try:
                 pieces[owner] = _with_option(pieces[owner], key, value)
-            except (TypeError, ValueError) as error:
+            except (TypeError, ValueError, CriticalKVError) as error:
                 raise MethodOptionError(f"method {name!r}, option {key}={value!r}: {error}") from error
     return Method(pieces["scorer"], pieces["allocator"], pieces["selector"], name=spec)
