@@ -152,6 +152,19 @@ def test_report_names_each_rows_samples_when_they_differ(tmp_path):
     assert "| snapkv | 0.2 | 1-2 | 0.0 | 0.0 | 0.0 | 100.0% |" in text
 
 
+def test_report_marks_a_row_that_answered_only_some_tasks(tmp_path):
+    """A method run on one task of three (a folder resumed with --tasks): its missing tasks show "–", its sample
+    count names them (0), and its mean is marked as not comparable with the full rows'."""
+    rows = [Row(t, i, "agnostic", "full", 1.0, 100.0, "", 100, 1.0) for t in ("a", "b", "c") for i in range(2)]
+    rows += [Row("a", i, "agnostic", "snapkv", 0.2, 50.0, "", 100, 0.2) for i in range(2)]
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(asdict(r)) for r in rows))
+    text = write_report(tmp_path).read_text()
+    assert "| method | budget | samples | a | b | c | mean | loss |" in text
+    assert "| full |  | 2 | 100.0 | 100.0 | 100.0 | 100.0 |  |" in text
+    assert "| snapkv | 0.2 | 0-2 | 50.0 | – | – | 50.0* | 50.0% |" in text
+    assert "the mean of the tasks the row answered" in text and "nan" not in text
+
+
 def test_eval_cli_refuses_bad_input():
     from typer.testing import CliRunner
 

@@ -72,9 +72,11 @@ def _mean_over_tasks(full: dict[tuple[str, int], float], samples: dict[tuple[str
     return mean(mean(scores) for scores in per_task.values()) if per_task else None
 
 
-def _sample_count(entry: dict) -> str:
-    """Samples per task of a summary row: "20", or "5-20" where its tasks have different counts."""
-    low, high = min(entry["task_samples"].values()), max(entry["task_samples"].values())
+def _sample_count(entry: dict, tasks: list[str]) -> str:
+    """Samples per task of a summary row over the table's ``tasks``: "20", or "5-20" where its tasks have different
+    counts ("0-20" where it answered none of some task)."""
+    counts = [entry["task_samples"].get(task, 0) for task in tasks]
+    low, high = min(counts), max(counts)
     return f"{low}" if low == high else f"{low}-{high}"
 
 
@@ -123,7 +125,8 @@ def write_report(results_dir: Path, title: str = "") -> Path:
     lines = [f"# {title}", ""]
     for regime in sorted({e["regime"] for e in summary["rows"]}):
         entries = [e for e in summary["rows"] if e["regime"] == regime]
-        counts = {_sample_count(e) for e in entries}
+        counts = {_sample_count(e, tasks) for e in entries}
+        partial = [e for e in entries if set(e["tasks"]) != set(tasks)]  # rows that answered only some tasks
         mixed = len(counts) > 1  # then each row says its own count
         per_task = next(iter(counts)) if not mixed else "per row (column samples)"
         lines += [
@@ -136,10 +139,17 @@ def write_report(results_dir: Path, title: str = "") -> Path:
         ]
         for e in entries:
             loss = "" if e["loss"] is None or e["method"] == "full" else f"{100 * e['loss']:.1f}%"
-            cells = " | ".join(f"{e['tasks'].get(t, float('nan')):.1f}" for t in tasks)
+            cells = " | ".join(f"{e['tasks'][t]:.1f}" if t in e["tasks"] else "–" for t in tasks)
             budget = "" if e["method"] == "full" else str(e["budget"])
-            samples = f"{_sample_count(e)} | " * mixed
-            lines.append(f"| {e['method']} | {budget} | {samples}{cells} | {e['mean']:.1f} | {loss} |")
+            samples = f"{_sample_count(e, tasks)} | " * mixed
+            row_mean = f"{e['mean']:.1f}" + ("*" if e in partial else "")
+            lines.append(f"| {e['method']} | {budget} | {samples}{cells} | {row_mean} | {loss} |")
+        if partial:
+            lines += [
+                "",
+                "\\* the mean of the tasks the row answered (–: none), not comparable with the full rows' "
+                "mean; its loss compares the same samples.",
+            ]
         lines.append("")
         _plot_regime(summary, regime, results_dir / f"score_vs_budget_{regime}.png")
         lines += [f"![score against budget, question-{regime}](score_vs_budget_{regime}.png)", ""]
