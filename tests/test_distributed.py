@@ -243,6 +243,8 @@ def test_eval_under_torchrun_batches_answers_as_one_process(tiny_root: Path, mon
         for folder in ("needle-split", "needle-single")
     )
     assert len(split_rows) == len(single_rows) == 2 * 3  # written once: 2 needles x (full + 2 pairs)
+    report = (tiny_root / "needle-split" / "report.md").read_text()  # beside the heatmaps, as eval ruler's
+    assert "| snapkv | 0.3 |" in report and "| critical-adakv | 0.3 |" in report
     for got, want in zip(split_rows, single_rows, strict=True):
         assert (got["method"], got["prediction"], got["kept_fraction"]) == (
             want["method"],

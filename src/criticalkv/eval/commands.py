@@ -252,6 +252,7 @@ def needle(
     (folder / "heatmaps.json").write_text(
         json.dumps({label: {f"{k[0]}@{k[1]}": v for k, v in s.items()} for label, s in grids.items()}, indent=2)
     )
+    console.print(f"wrote {write_report(folder)}")  # scores and loss against the full cache, as eval ruler writes
 
 
 @app.command()
