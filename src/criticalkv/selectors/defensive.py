@@ -33,6 +33,8 @@ class DefensiveSelector:
     3. everything else keeps ``p``.
 
     ``select`` then keeps, per head, the protected entries and the best ``r`` until the head's budget is full.
+    The scores must be >= 0 outside padding and protected positions (step 1 multiplies them): a ``Method`` checks
+    it, unless its scorer is non-negative by construction (``Scorer``).
 
     Parameters
     ----------
