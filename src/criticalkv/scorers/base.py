@@ -121,7 +121,7 @@ class Scorer(Protocol):
         ...
 
 
-SCORING_METHODS = ("score", "score_after_prefill")
+_SCORING_METHODS = ("score", "score_after_prefill")
 
 
 def declares_non_negative(scorer: object) -> bool:
@@ -132,7 +132,7 @@ def declares_non_negative(scorer: object) -> bool:
     owner = next((cls for cls in mro if "non_negative" in vars(cls)), None)
     if owner is None or not vars(owner)["non_negative"]:
         return False
-    for name in SCORING_METHODS:
+    for name in _SCORING_METHODS:
         source = next((cls for cls in mro if name in vars(cls)), None)
         if source is not None and not issubclass(owner, source):
             return False
