@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import save_random_llama
 from typer.testing import CliRunner
 
@@ -233,6 +234,42 @@ def test_ruler_reserve_answer_reaches_the_samples_and_the_folders_settings(short
     for flag, expected in (([], None), (["--reserve-answer"], True)):
         _refused(["eval", "ruler", *model, "--tasks", "vt", "--length", "128", *flag], "stop before answering")
         assert recorded.pop().get("reserve_answer") is expected
+
+
+def test_dtype_reaches_the_model_and_the_folders_settings_of_ruler_and_needle(short_model, tmp_path, monkeypatch):
+    """--dtype loads the model in that dtype; a folder records it only when given (folders made before the option
+    still resume), and an unknown one fails before anything runs."""
+    recorded = []
+
+    def sweep(model, *args, settings, **kwargs):
+        recorded.append((model.dtype, settings))
+        raise CriticalKVError("stop before answering")
+
+    monkeypatch.setattr("criticalkv.eval.commands.run_sweep", sweep)
+    monkeypatch.setattr("criticalkv.eval.ruler.generate", lambda *args, **kwargs: [])
+    monkeypatch.setattr("criticalkv.eval.commands._check_prompts", lambda *args: None)  # the template exceeds 128
+    model = ["--model", str(short_model), "--device", "cpu"]
+    ruler = [
+        "eval",
+        "ruler",
+        *model,
+        "--tasks",
+        "vt",
+        "--length",
+        "128",
+        "--samples",
+        "1",
+        "--out",
+        str(tmp_path / "r"),
+    ]
+    needle = ["eval", "needle", *model, "--lengths", "64", "--depths", "0.5", "--out", str(tmp_path / "n")]
+    for command in (ruler, needle):
+        for flag, dtype, setting in (([], torch.float32, None), (["--dtype", "bfloat16"], torch.bfloat16, "bfloat16")):
+            _refused([*command, *flag], "stop before answering")
+            loaded, settings = recorded.pop()
+            assert loaded == dtype and settings.get("dtype") == setting
+        _refused([*command, "--dtype", "int8"], "Unknown dtype 'int8'")
+    assert not recorded
 
 
 def test_max_new_tokens_caps_a_benchmarks_own_count_and_never_raises_it():

@@ -214,6 +214,12 @@ def test_resuming_a_folder_with_other_settings_is_refused(tmp_path, tiny_tokeniz
     with pytest.raises(CriticalKVError, match=r"length: 256 there, 512 now.*use another --out"):
         run_sweep(model, tiny_tokenizer, samples, _score, settings={**settings, "length": 512}, **kwargs)
     assert len(load_rows(tmp_path / "results.jsonl")) == 2 * 2  # nothing appended by the refused run
+    # a setting on one side only (an option recorded only when given) conflicts both ways
+    with pytest.raises(CriticalKVError, match=r"dtype: None there, 'float32' now"):
+        run_sweep(model, tiny_tokenizer, samples, _score, settings={**settings, "dtype": "float32"}, **kwargs)
+    (tmp_path / "sweep.json").write_text(json.dumps({**settings, "dtype": "float32"}))
+    with pytest.raises(CriticalKVError, match=r"dtype: 'float32' there, None now"):
+        run_sweep(model, tiny_tokenizer, samples, _score, settings=dict(settings), **kwargs)
 
 
 def test_adding_methods_to_a_sweep_answers_only_the_new_pairs(tmp_path, tiny_tokenizer):

@@ -24,7 +24,7 @@ from criticalkv.eval.commands import app as eval_app
 from criticalkv.eval.commands import at_least, parse_numbers
 from criticalkv.methods import PRESETS, build_method, parse_option_value
 from criticalkv.models.families import check_length
-from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, list_presets
+from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, list_presets
 from criticalkv.progress import layer_progress, output_console, print_error
 from criticalkv.runtime.session import ContextSession
 
@@ -136,14 +136,18 @@ def run(
     context_file: Annotated[Path | None, typer.Option(help="A text file to use as the context.")] = None,
     question: Annotated[list[str] | None, typer.Option(help="A question (repeatable).")] = None,
     context_tokens: Annotated[
-        int | None, typer.Option(help="Length of the generated needle prompt (default 4096; not with --context-file).")
+        int | None,
+        typer.Option(
+            help="Tokens of the generated needle context, about (default 4096; the chat template and the question "
+            "come on top; not with --context-file)."
+        ),
     ] = None,
     depth: Annotated[
         float | None, typer.Option(help="Needle depth in [0, 1] (default 0.5; not with --context-file).")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the needle prompt.")] = 0,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per answer.")] = 24,
-    dtype: Annotated[str, typer.Option(help="auto, bfloat16, float16 or float32.")] = "auto",
+    dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
     option: Annotated[list[str] | None, typer.Option(help="Method option key=value, e.g. window=64.")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write every figure to this JSON file.")] = None,

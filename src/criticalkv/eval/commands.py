@@ -20,7 +20,7 @@ from criticalkv.eval.report import write_report
 from criticalkv.eval.sweep import REGIMES, check_out_folder, load_rows, pair_label, run_sweep
 from criticalkv.methods import build_method
 from criticalkv.models.families import check_length
-from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP
+from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP
 from criticalkv.progress import output_console, print_error
 
 if TYPE_CHECKING:  # needle_grid pulls matplotlib: imported by the command only
@@ -37,6 +37,7 @@ console = output_console()
 ModelOption = Annotated[str, typer.Option(help="Preset name, local folder or hub id.")]
 MethodsOption = Annotated[str, typer.Option(help="Comma-separated presets (the full cache always runs).")]
 BudgetsOption = Annotated[str, typer.Option(help="Comma-separated budgets.")]
+DtypeOption = Annotated[str, typer.Option(help=DTYPE_HELP)]
 
 
 def _split(text: str) -> list[str]:
@@ -80,6 +81,12 @@ def _budgets(text: str) -> list[Budget]:
     return parsed
 
 
+def _dtype_setting(model: Any, dtype: str) -> dict[str, str]:
+    """A sweep's dtype setting: the loaded one when --dtype chose it, none for "auto" (as in the folders made before
+    the option), so a resumed folder keeps the dtype it was answered in."""
+    return {} if dtype == "auto" else {"dtype": str(model.dtype).removeprefix("torch.")}
+
+
 def _fail(error: Exception) -> None:
     print_error(console, error)
     raise typer.Exit(2) from None
@@ -109,6 +116,7 @@ def ruler(
     seed: Annotated[int, typer.Option(help="Seed of the generated samples.")] = 0,
     out: Annotated[Path | None, typer.Option(help="Results folder (resumes if it has results).")] = None,
     batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = False,
+    dtype: DtypeOption = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
 ) -> None:
     """RULER's 13 tasks: every method and budget against the full cache, with compression loss."""
@@ -127,7 +135,7 @@ def ruler(
         regime = "aware" if question_aware else "agnostic"
         folder = out or Path("results") / f"ruler-{Path(model).name}-{length}-{regime}"
         check_out_folder(folder)
-        loaded, tokenizer = launch.load_model(model, device=device)
+        loaded, tokenizer = launch.load_model(model, dtype=dtype, device=device)
         max_length = check_length(loaded.config, length)
 
         with console.status(f"generating {samples} samples of {len(chosen)} task(s)"):  # a task too short fails now
@@ -159,6 +167,7 @@ def ruler(
                 "seed": seed,
                 "max_new_tokens": max_new_tokens,
                 **({"reserve_answer": True} if reserve_answer else {}),  # absent: the folders made before it
+                **_dtype_setting(loaded, dtype),
             },
         )
     except CriticalKVError as error:
@@ -198,6 +207,7 @@ def needle(
     seed: Annotated[int, typer.Option(help="Seed of the needles.")] = 0,
     out: Annotated[Path | None, typer.Option(help="Results folder.")] = None,
     batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = False,
+    dtype: DtypeOption = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
 ) -> None:
     """Needle in a haystack over depths x lengths: one heatmap per method."""
@@ -211,7 +221,7 @@ def needle(
         grid = {"lengths": parse_numbers(lengths, int, "--lengths"), "depths": parse_numbers(depths, float, "--depths")}
         check_grid(grid["lengths"], grid["depths"])  # before the model loads
         check_out_folder(folder)
-        loaded, tokenizer = launch.load_model(model, device=device)
+        loaded, tokenizer = launch.load_model(model, dtype=dtype, device=device)
         check_length(loaded.config, max(grid["lengths"], default=0), "--lengths")
         cells = needle_grid(tokenizer, grid["lengths"], grid["depths"], seed)
         _check_prompts(loaded.config, tokenizer, cells)
@@ -234,7 +244,7 @@ def needle(
             total=len(items),
             batch_answers=batch_answers,
             # a sample's index is its cell in the lengths x depths grid
-            settings={"benchmark": "needle", "model": model, **grid, "seed": seed},
+            settings={"benchmark": "needle", "model": model, **grid, "seed": seed, **_dtype_setting(loaded, dtype)},
         )
     except CriticalKVError as error:
         _fail(error)
@@ -270,7 +280,7 @@ def longbench(
     max_new_tokens: Annotated[int, typer.Option(help="Cap on generated tokens (0: THUDM's per dataset).")] = 0,
     out: Annotated[Path | None, typer.Option(help="Results folder (resumes if it has results).")] = None,
     batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = False,
-    dtype: Annotated[str, typer.Option(help="auto, bfloat16, float16 or float32.")] = "auto",
+    dtype: DtypeOption = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
 ) -> None:
     """LongBench v1 (English and code) from local files: THUDM's prompts, truncation and metrics, every method and

@@ -288,13 +288,14 @@ def _settings_conflict(out_dir: Path, settings: dict | None) -> str | None:
     """Why the folder's ``sweep.json`` forbids resuming with ``settings``; None when it allows it.
 
     A folder without ``sweep.json`` takes the settings of its first run that writes a row (``_record_settings``).
+    A setting recorded on one side only (an option left at the default that records nothing) conflicts too.
     """
     if settings is None:
         return None
     settings = json.loads(json.dumps(settings))  # as stored: tuples become lists
     stored = stored_settings(out_dir)
     if stored is not None:
-        changed = {k: (stored.get(k), v) for k, v in settings.items() if stored.get(k) != v}
+        changed = {k: (stored.get(k), settings.get(k)) for k in stored | settings if stored.get(k) != settings.get(k)}
         if changed:
             listed = "; ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in changed.items())
             return (

@@ -313,6 +313,7 @@ def resolve_model_folder(name: str) -> Path:
 
 
 DEVICE_HELP = "auto (the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N."
+DTYPE_HELP = "auto (bfloat16 for presets, else the checkpoint's), bfloat16, float16 or float32."
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -353,7 +354,7 @@ def _as_dtype(dtype: torch.dtype | str, auto: torch.dtype | str) -> torch.dtype 
         return auto
     aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
     value = getattr(torch, aliases.get(dtype, dtype), None)
-    if not isinstance(value, torch.dtype):
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:  # int8 and the like load nothing
         raise CriticalKVError(f"Unknown dtype '{dtype}': use 'auto', 'bfloat16', 'float16' or 'float32'.")
     return value
 
