@@ -160,7 +160,9 @@ def test_context_longer_than_the_model_refused_before_prefill(short_model, tmp_p
     # a context that fits, but not with the question and answer prefix after it
     needle_120 = ["eval", "needle", *model, "--lengths", "120", "--out", str(tmp_path / "n")]
     _refused(needle_120, "--lengths 120: prompt length")
-    _refused(["perturbation", *model, "--length", "200", "--n", "1", "--out", str(tmp_path / "p")], "--length 200")
+    _refused(
+        ["perturbation", *model, "--length", "200", "--samples", "1", "--out", str(tmp_path / "p")], "--length 200"
+    )
 
 
 @pytest.mark.parametrize(

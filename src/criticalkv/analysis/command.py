@@ -365,7 +365,7 @@ def run_analysis(
     if mode not in MODES:
         raise CriticalKVError(f"--mode must be one of {list(MODES)}, got {mode!r}")
     if n < 0 or length < 1 or generate < 0:
-        raise CriticalKVError("--n, --length and --generate must be >= 0, >= 1 and >= 0")
+        raise CriticalKVError("--samples, --length and --generate must be >= 0, >= 1 and >= 0")
     if exhaustive_check and not (
         exhaustive_trials >= 1 and 1 <= exhaustive_budget <= exhaustive_entries <= EXHAUSTIVE_MAX_ENTRIES
     ):
@@ -511,7 +511,9 @@ def perturbation(
             " the essays per prompt, no needle, a fixed question) or a .txt file / folder of .txt files."
         ),
     ] = "essays",
-    n: Annotated[int, typer.Option(help="Number of prompts (0: only the --exhaustive-check).")] = 20,
+    n: Annotated[
+        int, typer.Option("--samples", "--n", help="Number of prompts (0: only the --exhaustive-check), as eval's.")
+    ] = 20,
     length: Annotated[int, typer.Option(help="Context length in tokens of each prompt.")] = 4096,
     out: Annotated[
         Path | None,
