@@ -288,7 +288,7 @@ def test_run_with_several_questions_says_which_row_answers_which(short_model, tm
     context = tmp_path / "context.txt"
     context.write_text("The quick brown fox jumps over the lazy dog. " * 3)
     args = ["run", "--model", str(short_model), "--device", "cpu", "--context-file", str(context), "--mode", "agnostic"]
-    args += ["--question", "Who jumps?", "--question", "Over what?", "--method", "snapkv", "--max-new-tokens", "2"]
+    args += ["--question", "Who jumps?", "--question", "Over what?", "--methods", "snapkv", "--max-new-tokens", "2"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, (result.exception, result.output)
     header = next(line for line in result.output.splitlines() if "method" in line)

@@ -126,9 +126,9 @@ NEEDLE_TOKENS, NEEDLE_DEPTH = 4096, 0.5  # run's generated needle prompt, withou
 @app.command()
 def run(
     model: Annotated[str, typer.Option(help="Preset name, local folder or hub id.")] = DEFAULT_PRESET,
-    method: Annotated[str, typer.Option(help="Comma-separated presets, compared with the full cache.")] = (
-        "critical-snapkv"
-    ),
+    method: Annotated[
+        str, typer.Option("--method", "--methods", help="Comma-separated presets, compared with the full cache.")
+    ] = "critical-snapkv",
     budget: Annotated[str, typer.Option(help="Fraction kept (0.2) or entries per head (512).")] = "0.2",
     mode: Annotated[str, typer.Option(help="aware: the question is compressed with the context; agnostic: after.")] = (
         "aware"
