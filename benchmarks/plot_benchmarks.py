@@ -9,8 +9,9 @@ Writes ``{tag}_time.png`` (time to first token and decode time per token against
 (the prefill's CPU time spent compressing, and the rest of it, against context length) and, with ``--quality``,
 ``{tag}_quality.png`` (answer agreement and RULER scores); with ``--same-process`` (any number of reports),
 ``{tag}_same_process.png`` (ours / kvpress within each repeat, time to first token and decode); with ``--pairs``
-(reports of prefills alone), ``{tag}_pairs.png`` (ours / kvpress of each pair, and their mean). ``--tables`` prints
-the Markdown tables of docs/benchmarks.md.
+(reports of prefills alone), ``{tag}_pairs.png`` (ours / kvpress of each pair, and their mean). A speed report of
+criticalkv alone (``--systems ours``, every preset) gives ``{tag}_presets.png`` instead of the first three: bars per
+method and length. ``--tables`` prints the Markdown tables of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -169,6 +170,60 @@ def speed_tables(summary: list[dict], clock: str) -> str:
         f"Times ({label}, medians):\n\n" + "\n".join(time_lines) + "\n\nMemory (medians):\n\n" + "\n".join(memory_lines)
     )
     return tables + compression_table(summary)
+
+
+def ours_alone(summary: list[dict]) -> bool:
+    """Whether the report ran criticalkv alone (``--systems ours``: every preset, most without a kvpress twin)."""
+    return not any("kvpress" in r for r in summary)
+
+
+def presets_table(summary: list[dict], clock: str) -> str:
+    """Markdown: criticalkv alone, one row per (length, method): medians of the times, the compression inside the
+    prefill, the KV bytes held and the peak RSS."""
+    ttft, decode, label = CLOCKS[clock]
+    lines = [
+        "| prompt tokens | method | TTFT (s) | compression (CPU s) | decode (ms/token) | KV (MiB, % of full) | "
+        "peak RSS (MiB) |",
+        "|" + "---|" * 7,
+    ]
+    for r in summary:
+        ours = r.get("ours", {})
+        lines.append(
+            f"| {r['prompt_tokens']} | {r['method']} | {_cell(ours, ttft, '.2f')} | "
+            f"{_cell(ours, 'compression_cpu_seconds', '.3f')} | {_cell(ours, decode, '.1f')} | {_kv_cell(ours)} | "
+            f"{_cell(ours, 'peak_rss_above_start_bytes', '.0f', MIB)} |"
+        )
+    return f"criticalkv alone ({label}, medians):\n\n" + "\n".join(lines)
+
+
+def plot_presets(summary: list[dict], clock: str, title: str, path: Path) -> None:
+    """Horizontal bars, one group per method and one bar per prompt length: time to first token, the compression
+    inside the prefill and the decode time per token (criticalkv alone; a line plot of two dozen methods is
+    unreadable)."""
+    ttft, decode, label = CLOCKS[clock]
+    panels = [
+        (ttft, f"time to first token (s, {label})"),
+        ("compression_cpu_seconds", "compression inside the prefill (CPU s)"),
+        (decode, f"decode (ms/token, {label})"),
+    ]
+    methods = _methods(summary)
+    lengths = sorted({r["prompt_tokens"] for r in summary})
+    height = 0.8 / len(lengths)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 1.5 + 0.28 * len(methods)), sharey=True)
+    for ax, (key, x_label) in zip(axes, panels, strict=True):
+        for j, length in enumerate(lengths):
+            value = {r["method"]: r["ours"].get(key, float("nan")) for r in summary if r["prompt_tokens"] == length}
+            places = [i + j * height for i in range(len(methods))]
+            ax.barh(places, [value.get(m, float("nan")) for m in methods], height, label=f"{length} tokens")
+        ax.set_xlabel(x_label)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks([i + height * (len(lengths) - 1) / 2 for i in range(len(methods))], methods)
+    axes[0].invert_yaxis()
+    axes[-1].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def compression_table(summary: list[dict]) -> str:
@@ -493,6 +548,12 @@ def main() -> None:
         if any("peak_cuda_above_start_bytes" in r.get("ours", {}) for r in summary):
             memory_panels.append(("peak_cuda_above_start_bytes", "peak CUDA above start (MiB)", MIB))
         budget = report["budget"]
+        if ours_alone(summary):
+            written.append(args.out_dir / f"{args.tag}_presets.png")
+            plot_presets(summary, args.clock, f"criticalkv, {model}, budget {budget}", written[-1])
+            if args.tables:
+                print(presets_table(summary, args.clock), end="\n\n")
+    if args.speed and not ours_alone(summary):
         written.append(args.out_dir / f"{args.tag}_time.png")
         _against_length(summary, time_panels, f"{model}, budget {budget}: time", written[-1])
         written.append(args.out_dir / f"{args.tag}_memory.png")

@@ -20,8 +20,11 @@ from plot_benchmarks import (
     compression_table,
     fastest_table,
     gauged_table,
+    ours_alone,
     paired_table,
     phase_table,
+    plot_presets,
+    presets_table,
 )
 from prefill_overhead import run_ratios
 from quality_vs_kvpress import trim_at_eos
@@ -132,6 +135,24 @@ def test_compression_time_summary_and_table() -> None:
     assert "| 1020 | snapkv | 0.300 | 0.600 | 0.500 | 2.70 | 2.40 | 1.125 |" in table
     older = summarise(timed + theirs + [_run("ours", "snapkv", 3.0, 200)], [1024], ["snapkv"], ["ours", "kvpress"])
     assert "compression_cpu_seconds" not in older[0]["ours"] and compression_table(older) == ""
+
+
+def test_a_report_of_criticalkv_alone_gets_one_row_and_one_bar_per_preset(tmp_path: Path) -> None:
+    """``--systems ours`` over every preset: no kvpress columns, the compression where a method has one, and one bar
+    per (method, length) in the plot (its line plots would draw ten methods of two dozen)."""
+    runs = [_run("ours", "full", 3.0, 1000)] + [
+        {**_run("ours", method, t, 200), "compression_cpu_seconds": t / 10}
+        for method in ("snapkv", "tova")
+        for t in (2.0, 4.0)
+    ]
+    summary = summarise(runs, [1024], ["full", "snapkv", "tova"], ["ours"])
+    both = summarise([*runs, _run("kvpress", "snapkv", 3.0, 200)], [1024], ["snapkv"], ["ours", "kvpress"])
+    assert ours_alone(summary) and not ours_alone(both)
+    table = presets_table(summary, "cpu")
+    assert "| 1020 | full | 3.00 | – | 10.0 | 0.0 (100.0%) | 0 |" in table
+    assert "| 1020 | tova | 3.00 | 0.300 | 10.0 | 0.0 (20.0%) | 0 |" in table
+    plot_presets(summary, "cpu", "every preset", tmp_path / "presets.png")
+    assert (tmp_path / "presets.png").stat().st_size > 0
 
 
 def test_kvpress_hook_clock_sums_the_hooks_time_and_passes_their_results() -> None:
