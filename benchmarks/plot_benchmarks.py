@@ -174,17 +174,19 @@ def speed_tables(summary: list[dict], clock: str) -> str:
 
 def ours_alone(summary: list[dict]) -> bool:
     """Whether the report ran criticalkv alone (``--systems ours``: every preset, most without a kvpress twin)."""
-    return not any("kvpress" in r for r in summary)
+    return bool(summary) and not any("kvpress" in r for r in summary)
 
 
 def presets_table(summary: list[dict], clock: str) -> str:
     """Markdown: criticalkv alone, one row per (length, method): medians of the times, the compression inside the
     prefill, the KV bytes held and the peak RSS."""
     ttft, decode, label = CLOCKS[clock]
+    cuda = "peak_cuda_above_start_bytes"
+    on_gpu = any(cuda in r.get("ours", {}) for r in summary)
     lines = [
         "| prompt tokens | method | TTFT (s) | compression (CPU s) | decode (ms/token) | KV (MiB, % of full) | "
-        "peak RSS (MiB) |",
-        "|" + "---|" * 7,
+        "peak RSS (MiB) |" + (" peak CUDA (MiB) |" if on_gpu else ""),
+        "|" + "---|" * (8 if on_gpu else 7),
     ]
     for r in summary:
         ours = r.get("ours", {})
@@ -192,6 +194,7 @@ def presets_table(summary: list[dict], clock: str) -> str:
             f"| {r['prompt_tokens']} | {r['method']} | {_cell(ours, ttft, '.2f')} | "
             f"{_cell(ours, 'compression_cpu_seconds', '.3f')} | {_cell(ours, decode, '.1f')} | {_kv_cell(ours)} | "
             f"{_cell(ours, 'peak_rss_above_start_bytes', '.0f', MIB)} |"
+            + (f" {_cell(ours, cuda, '.0f', MIB)} |" if on_gpu else "")
         )
     return f"criticalkv alone ({label}, medians):\n\n" + "\n".join(lines)
 
@@ -212,7 +215,9 @@ def plot_presets(summary: list[dict], clock: str, title: str, path: Path) -> Non
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 1.5 + 0.28 * len(methods)), sharey=True)
     for ax, (key, x_label) in zip(axes, panels, strict=True):
         for j, length in enumerate(lengths):
-            value = {r["method"]: r["ours"].get(key, float("nan")) for r in summary if r["prompt_tokens"] == length}
+            value = {
+                r["method"]: r.get("ours", {}).get(key, float("nan")) for r in summary if r["prompt_tokens"] == length
+            }
             places = [i + j * height for i in range(len(methods))]
             ax.barh(places, [value.get(m, float("nan")) for m in methods], height, label=f"{length} tokens")
         ax.set_xlabel(x_label)

@@ -137,22 +137,37 @@ def test_compression_time_summary_and_table() -> None:
     assert "compression_cpu_seconds" not in older[0]["ours"] and compression_table(older) == ""
 
 
-def test_a_report_of_criticalkv_alone_gets_one_row_and_one_bar_per_preset(tmp_path: Path) -> None:
+def test_a_report_of_criticalkv_alone_gets_one_row_and_one_bar_per_preset(tmp_path: Path, monkeypatch, capsys) -> None:
     """``--systems ours`` over every preset: no kvpress columns, the compression where a method has one, and one bar
-    per (method, length) in the plot (its line plots would draw ten methods of two dozen)."""
+    per (method, length) in the plot (its line plots would draw ten methods of two dozen); a method that ran at one
+    length only gets an empty bar at the other."""
+    import json
+
+    import plot_benchmarks
+
     runs = [_run("ours", "full", 3.0, 1000)] + [
         {**_run("ours", method, t, 200), "compression_cpu_seconds": t / 10}
         for method in ("snapkv", "tova")
         for t in (2.0, 4.0)
     ]
-    summary = summarise(runs, [1024], ["full", "snapkv", "tova"], ["ours"])
+    longer = [{**r, "length": 2048, "prompt_tokens": 2044} for r in runs if r["method"] != "tova"]
+    summary = summarise(runs + longer, [1024, 2048], ["full", "snapkv", "tova"], ["ours"])
     both = summarise([*runs, _run("kvpress", "snapkv", 3.0, 200)], [1024], ["snapkv"], ["ours", "kvpress"])
-    assert ours_alone(summary) and not ours_alone(both)
+    assert ours_alone(summary) and not ours_alone(both) and not ours_alone([])
     table = presets_table(summary, "cpu")
     assert "| 1020 | full | 3.00 | – | 10.0 | 0.0 (100.0%) | 0 |" in table
     assert "| 1020 | tova | 3.00 | 0.300 | 10.0 | 0.0 (20.0%) | 0 |" in table
+    assert "| 2044 | snapkv | 3.00 | 0.300 |" in table and "| 2044 | tova |" not in table
     plot_presets(summary, "cpu", "every preset", tmp_path / "presets.png")
     assert (tmp_path / "presets.png").stat().st_size > 0
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"summary": summary, "runs": runs + longer, "model": "m", "budget": 0.2}))
+    args = ["plot_benchmarks.py", "--speed", str(report), "--tag", "t", "--out-dir", str(tmp_path), "--tables"]
+    monkeypatch.setattr(sys, "argv", args)
+    plot_benchmarks.main()
+    printed = capsys.readouterr().out
+    assert "criticalkv alone" in printed and "kvpress" not in printed
+    assert (tmp_path / "t_presets.png").exists() and not (tmp_path / "t_time.png").exists()
 
 
 def test_kvpress_hook_clock_sums_the_hooks_time_and_passes_their_results() -> None:

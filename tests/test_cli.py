@@ -239,8 +239,9 @@ def test_ruler_reserve_answer_reaches_the_samples_and_the_folders_settings(short
 
 
 def test_dtype_reaches_the_model_and_the_folders_settings_of_ruler_and_needle(short_model, tmp_path, monkeypatch):
-    """--dtype loads the model in that dtype; a folder records it only when given (folders made before the option
-    still resume), and an unknown one fails before anything runs."""
+    """--dtype loads the model in that dtype and the folder records the dtype loaded (``auto`` and what it resolves to
+    are one setting); a folder made before the option resumes with ``auto`` only; a dtype other than bfloat16,
+    float16 or float32 fails before anything runs."""
     recorded = []
 
     def sweep(model, *args, settings, **kwargs):
@@ -251,26 +252,22 @@ def test_dtype_reaches_the_model_and_the_folders_settings_of_ruler_and_needle(sh
     monkeypatch.setattr("criticalkv.eval.ruler.generate", lambda *args, **kwargs: [])
     monkeypatch.setattr("criticalkv.eval.commands._check_prompts", lambda *args: None)  # the template exceeds 128
     model = ["--model", str(short_model), "--device", "cpu"]
-    ruler = [
-        "eval",
-        "ruler",
-        *model,
-        "--tasks",
-        "vt",
-        "--length",
-        "128",
-        "--samples",
-        "1",
-        "--out",
-        str(tmp_path / "r"),
-    ]
-    needle = ["eval", "needle", *model, "--lengths", "64", "--depths", "0.5", "--out", str(tmp_path / "n")]
-    for command in (ruler, needle):
-        for flag, dtype, setting in (([], torch.float32, None), (["--dtype", "bfloat16"], torch.bfloat16, "bfloat16")):
-            _refused([*command, *flag], "stop before answering")
+    ruler = ["eval", "ruler", *model, "--tasks", "vt", "--length", "128", "--samples", "1"]
+    needle = ["eval", "needle", *model, "--lengths", "64", "--depths", "0.5"]
+    for name, command in (("r", ruler), ("n", needle)):
+        out = ["--out", str(tmp_path / name)]
+        cases = (([], torch.float32), (["--dtype", "float32"], torch.float32), (["--dtype", "bf16"], torch.bfloat16))
+        for flag, dtype in cases:  # the random folder is saved in float32: auto loads float32
+            _refused([*command, *out, *flag], "stop before answering")
             loaded, settings = recorded.pop()
-            assert loaded == dtype and settings.get("dtype") == setting
-        _refused([*command, "--dtype", "int8"], "Unknown dtype 'int8'")
+            assert loaded == dtype and settings["dtype"] == str(dtype).removeprefix("torch.")
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "sweep.json").write_text('{"benchmark": "before --dtype"}')
+        for flag, setting in (([], None), (["--dtype", "float32"], "float32")):  # only auto resumes it
+            _refused([*command, *out, *flag], "stop before answering")
+            assert recorded.pop()[1].get("dtype") == setting
+        for wrong in ("int8", "float8_e4m3fn", "float64"):
+            _refused([*command, *out, "--dtype", wrong], f"Unknown dtype '{wrong}'")
     assert not recorded
 
 

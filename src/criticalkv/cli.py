@@ -196,7 +196,7 @@ def _run(
     at_least(max_new_tokens, 1, "--max-new-tokens")
     named = [m.strip() for m in method.split(",") if m.strip()]
     if not named:
-        raise CriticalKVError("--method needs at least one preset ('full' alone for the full cache)")
+        raise CriticalKVError("--method (--methods) needs at least one preset ('full' alone for the full cache)")
     methods_ = ["full"] + [m for m in named if m != "full"]
     options = _parse_options(option)
     parsed_budget = Budget.parse(budget)

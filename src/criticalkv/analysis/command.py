@@ -37,7 +37,7 @@ from criticalkv.budget import Budget
 from criticalkv.errors import CriticalKVError
 from criticalkv.methods import build_method
 from criticalkv.models.families import check_length
-from criticalkv.models.presets import DEVICE_HELP
+from criticalkv.models.presets import DEVICE_HELP, DTYPE_HELP
 from criticalkv.progress import output_console, print_error, step_progress
 
 __all__ = [
@@ -530,7 +530,7 @@ def perturbation(
     ] = "agnostic",
     generate: Annotated[int, typer.Option(help="Greedy tokens of the full model whose queries are measured too.")] = 16,
     seed: Annotated[int, typer.Option(help="Seed of the prompts and of the exhaustive check.")] = 0,
-    dtype: Annotated[str, typer.Option(help="auto (bfloat16 for presets), bfloat16 or float32.")] = "auto",
+    dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
     hidden: Annotated[
         bool, typer.Option(help="Also decode over each compressed cache and compare the last hidden state.")

@@ -17,7 +17,7 @@ from criticalkv.distributed import launch
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.needle import encode_prompt
 from criticalkv.eval.report import write_report
-from criticalkv.eval.sweep import REGIMES, check_out_folder, load_rows, pair_label, run_sweep
+from criticalkv.eval.sweep import REGIMES, check_out_folder, load_rows, pair_label, run_sweep, stored_settings
 from criticalkv.methods import build_method
 from criticalkv.models.families import check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP
@@ -81,10 +81,14 @@ def _budgets(text: str) -> list[Budget]:
     return parsed
 
 
-def _dtype_setting(model: Any, dtype: str) -> dict[str, str]:
-    """A sweep's dtype setting: the loaded one when --dtype chose it, none for "auto" (as in the folders made before
-    the option), so a resumed folder keeps the dtype it was answered in."""
-    return {} if dtype == "auto" else {"dtype": str(model.dtype).removeprefix("torch.")}
+def _dtype_setting(folder: Path, model: Any, dtype: str) -> dict[str, str]:
+    """A sweep's dtype setting: the dtype the model loaded in, so a resumed folder keeps the dtype it was answered in
+    (``auto`` and the dtype it resolves to are the same setting). A folder made before the option records none: it
+    was answered in ``auto``'s dtype, and resumes with ``auto`` only."""
+    stored = stored_settings(folder)
+    if dtype == "auto" and stored is not None and "dtype" not in stored:
+        return {}
+    return {"dtype": str(model.dtype).removeprefix("torch.")}
 
 
 def _fail(error: Exception) -> None:
@@ -167,7 +171,7 @@ def ruler(
                 "seed": seed,
                 "max_new_tokens": max_new_tokens,
                 **({"reserve_answer": True} if reserve_answer else {}),  # absent: the folders made before it
-                **_dtype_setting(loaded, dtype),
+                **_dtype_setting(folder, loaded, dtype),
             },
         )
     except CriticalKVError as error:
@@ -244,7 +248,13 @@ def needle(
             total=len(items),
             batch_answers=batch_answers,
             # a sample's index is its cell in the lengths x depths grid
-            settings={"benchmark": "needle", "model": model, **grid, "seed": seed, **_dtype_setting(loaded, dtype)},
+            settings={
+                "benchmark": "needle",
+                "model": model,
+                **grid,
+                "seed": seed,
+                **_dtype_setting(folder, loaded, dtype),
+            },
         )
     except CriticalKVError as error:
         _fail(error)

@@ -353,8 +353,10 @@ def _as_dtype(dtype: torch.dtype | str, auto: torch.dtype | str) -> torch.dtype 
     if dtype == "auto":
         return auto
     aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
-    value = getattr(torch, aliases.get(dtype, dtype), None)
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:  # int8 and the like load nothing
+    value = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
+        aliases.get(dtype, dtype)
+    )
+    if value is None:  # int8 or float8 load nothing, float64 nothing useful
         raise CriticalKVError(f"Unknown dtype '{dtype}': use 'auto', 'bfloat16', 'float16' or 'float32'.")
     return value
 
