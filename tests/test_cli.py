@@ -115,7 +115,7 @@ def test_run_json_folder_created_before_loading(tmp_path, monkeypatch):
         (["eval", "ruler", "--samples", "0"], "--samples must be >= 1, got 0"),
         (["run", "--depth", "1.5"], "--depth must be in [0, 1], got 1.5"),
         (["run", "--context-tokens", "0"], "--context-tokens must be >= 1, got 0"),
-        (["run", "--method", ","], "--method needs at least one preset"),
+        (["run", "--method", ","], "--method (--methods) needs at least one preset"),
         (["eval", "ruler", "--methods", ""], "--methods needs at least one method"),
         (["eval", "ruler", "--budgets", " "], "--budgets needs at least one budget"),
         (["eval", "ruler", "--length", "0"], "--length must be >= 1, got 0"),
