@@ -271,6 +271,24 @@ def test_dtype_reaches_the_model_and_the_folders_settings_of_ruler_and_needle(sh
     assert not recorded
 
 
+@pytest.mark.parametrize(
+    ("dtype", "native", "hinted"), [("bfloat16", False, True), ("bfloat16", True, False), ("float32", False, False)]
+)
+def test_run_hints_float32_for_a_bfloat16_model_on_a_cpu_that_emulates_bfloat16(
+    short_model, tmp_path, monkeypatch, dtype, native, hinted
+):
+    """Without AVX512-BF16 or AMX, bfloat16 runs about 2.8x slower than float32 on a CPU: the command says so (once),
+    and nothing where the CPU multiplies bfloat16 or the model is not in bfloat16."""
+    monkeypatch.setattr("criticalkv.selectors.norm_screen.cpu_multiplies_bfloat16", lambda: native)
+    context = tmp_path / "context.txt"
+    context.write_text("The quick brown fox jumps over the lazy dog. " * 3)
+    args = ["run", "--model", str(short_model), "--device", "cpu", "--context-file", str(context), "--dtype", dtype]
+    args += ["--question", "Who jumps?", "--method", "snapkv", "--max-new-tokens", "1"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, (result.exception, result.output)
+    assert result.output.count("no bfloat16 instructions") == int(hinted)
+
+
 def test_max_new_tokens_caps_a_benchmarks_own_count_and_never_raises_it():
     from criticalkv.eval.commands import _capped
 

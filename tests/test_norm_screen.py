@@ -138,7 +138,7 @@ def test_screen_is_skipped_where_it_cannot_pay(monkeypatch):
     monkeypatch.setattr(critical_module, "screens", norm_screen.screens)
     view = _bf16_view(1, 2, 2, 32, 8, 16, seed=0)
     assert not norm_screen.screens(view.values.float())
-    assert norm_screen.screens(view.values) == norm_screen._cpu_multiplies_bfloat16()
+    assert norm_screen.screens(view.values) == norm_screen.cpu_multiplies_bfloat16()
     monkeypatch.setattr(critical_module, "screens", lambda values: True)
     assert CriticalSelector()._screens(view)
     assert not CriticalSelector(screen=False)._screens(view)

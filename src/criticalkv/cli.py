@@ -24,7 +24,7 @@ from criticalkv.eval.commands import app as eval_app
 from criticalkv.eval.commands import at_least, parse_numbers
 from criticalkv.methods import PRESETS, build_method, parse_option_value
 from criticalkv.models.families import check_length
-from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, list_presets
+from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, list_presets, slow_dtype_note
 from criticalkv.progress import layer_progress, output_console, print_error
 from criticalkv.runtime.session import ContextSession
 
@@ -219,6 +219,8 @@ def _run(
     with console.status(f"loading {model_name}"):
         model, tokenizer = launch.load_model(model_name, dtype=dtype, device=device)
     layout = ParallelLayout.of(model)  # one process, or where this one sits in a torchrun split
+    if layout.is_main and (note := slow_dtype_note(model)):
+        console.print(note, style="dim")
     device = next(model.parameters()).device
     from criticalkv.eval.needle import encode_prompt
 

@@ -422,10 +422,12 @@ def run_analysis(
     path = out / "perturbation.json"
     if n > 0:
         from criticalkv.models.presets import PRESETS as MODEL_PRESETS
-        from criticalkv.models.presets import load_model
+        from criticalkv.models.presets import load_model, slow_dtype_note
 
         with console.status(f"loading {model}"):
             lm, tokenizer = load_model(model, dtype=dtype, device=device)
+        if note := slow_dtype_note(lm):
+            console.print(note, style="dim")
         check_length(lm.config, length, "--length")
         config = lm.config.get_text_config()
         h_kv = config.num_key_value_heads

@@ -20,7 +20,7 @@ from criticalkv.eval.report import write_report
 from criticalkv.eval.sweep import REGIMES, check_out_folder, load_rows, pair_label, run_sweep, stored_settings
 from criticalkv.methods import build_method
 from criticalkv.models.families import check_length
-from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP
+from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, slow_dtype_note
 from criticalkv.progress import output_console, print_error
 
 if TYPE_CHECKING:  # needle_grid pulls matplotlib: imported by the command only
@@ -81,6 +81,14 @@ def _budgets(text: str) -> list[Budget]:
     return parsed
 
 
+def _load(model: str, dtype: str, device: str) -> tuple[Any, Any]:
+    """``launch.load_model``, with the hint of a bfloat16 model on a CPU without bfloat16 instructions."""
+    loaded, tokenizer = launch.load_model(model, dtype=dtype, device=device)
+    if launch.is_main_process() and (note := slow_dtype_note(loaded)):
+        console.print(note, style="dim")
+    return loaded, tokenizer
+
+
 def _dtype_setting(folder: Path, model: Any, dtype: str) -> dict[str, str]:
     """A sweep's dtype setting: the dtype the model loaded in, so a resumed folder keeps the dtype it was answered in
     (``auto`` and the dtype it resolves to are the same setting). A folder made before the option records none: it
@@ -139,7 +147,7 @@ def ruler(
         regime = "aware" if question_aware else "agnostic"
         folder = out or Path("results") / f"ruler-{Path(model).name}-{length}-{regime}"
         check_out_folder(folder)
-        loaded, tokenizer = launch.load_model(model, dtype=dtype, device=device)
+        loaded, tokenizer = _load(model, dtype, device)
         max_length = check_length(loaded.config, length)
 
         with console.status(f"generating {samples} samples of {len(chosen)} task(s)"):  # a task too short fails now
@@ -225,7 +233,7 @@ def needle(
         grid = {"lengths": parse_numbers(lengths, int, "--lengths"), "depths": parse_numbers(depths, float, "--depths")}
         check_grid(grid["lengths"], grid["depths"])  # before the model loads
         check_out_folder(folder)
-        loaded, tokenizer = launch.load_model(model, dtype=dtype, device=device)
+        loaded, tokenizer = _load(model, dtype, device)
         check_length(loaded.config, max(grid["lengths"], default=0), "--lengths")
         cells = needle_grid(tokenizer, grid["lengths"], grid["depths"], seed)
         _check_prompts(loaded.config, tokenizer, cells)
@@ -308,7 +316,7 @@ def longbench(
         regime = "aware" if question_aware else "agnostic"
         folder = out or Path("results") / f"longbench-{Path(model).name}-{max_length}-{regime}"
         check_out_folder(folder)
-        loaded, tokenizer = launch.load_model(model, dtype=dtype, device=device)
+        loaded, tokenizer = _load(model, dtype, device)
         with console.status(f"truncating and encoding the prompts of {len(groups)} dataset(s)"):
             items = longbench_run.longbench_items(tokenizer, groups, samples, max_length)
         for item in items:  # every prompt fits the model, checked before the first answer

@@ -33,10 +33,10 @@ def screens(values: torch.Tensor) -> bool:
         return False
     if values.is_cuda:
         return True
-    return values.device.type == "cpu" and _cpu_multiplies_bfloat16()
+    return values.device.type == "cpu" and cpu_multiplies_bfloat16()
 
 
-def _cpu_multiplies_bfloat16() -> bool:
+def cpu_multiplies_bfloat16() -> bool:
     """AVX512-BF16 or AMX, as torch reports them (private helpers: a torch without them counts as neither)."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
