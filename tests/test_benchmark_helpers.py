@@ -158,6 +158,7 @@ def test_a_report_of_criticalkv_alone_gets_one_row_and_one_bar_per_preset(tmp_pa
     assert "| 1020 | full | 3.00 | – | 10.0 | 0.0 (100.0%) | 0 |" in table
     assert "| 1020 | tova | 3.00 | 0.300 | 10.0 | 0.0 (20.0%) | 0 |" in table
     assert "| 2044 | snapkv | 3.00 | 0.300 |" in table and "| 2044 | tova |" not in table
+    assert "| 1020 | tova | 3.00 | 0.300 | 10.0 | 0.0 (20.0%) |\n" in presets_table(summary, "cpu", live_rss=False)
     plot_presets(summary, "cpu", "every preset", tmp_path / "presets.png")
     assert (tmp_path / "presets.png").stat().st_size > 0
     report = tmp_path / "report.json"
@@ -166,7 +167,7 @@ def test_a_report_of_criticalkv_alone_gets_one_row_and_one_bar_per_preset(tmp_pa
     monkeypatch.setattr(sys, "argv", args)
     plot_benchmarks.main()
     printed = capsys.readouterr().out
-    assert "criticalkv alone" in printed and "kvpress" not in printed
+    assert "criticalkv alone" in printed and "kvpress" not in printed and "peak RSS" in printed  # no command: mmap
     assert (tmp_path / "t_presets.png").exists() and not (tmp_path / "t_time.png").exists()
 
 
