@@ -206,16 +206,16 @@ def plot_presets(summary: list[dict], clock: str, title: str, path: Path) -> Non
     inside the prefill and the decode time per token (criticalkv alone; a line plot of two dozen methods is
     unreadable)."""
     ttft, decode, label = CLOCKS[clock]
-    panels = [
-        (ttft, f"time to first token (s, {label})"),
-        ("compression_cpu_seconds", "compression inside the prefill (CPU s)"),
-        (decode, f"decode (ms/token, {label})"),
+    panels = [  # (key, axis label, log scale: the compression spans three decades across the presets)
+        (ttft, f"time to first token (s, {label})", False),
+        ("compression_cpu_seconds", "compression inside the prefill (CPU s, log scale)", True),
+        (decode, f"decode (ms/token, {label})", False),
     ]
     methods = _methods(summary)
     lengths = sorted({r["prompt_tokens"] for r in summary})
     height = 0.8 / len(lengths)
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 1.5 + 0.28 * len(methods)), sharey=True)
-    for ax, (key, x_label) in zip(axes, panels, strict=True):
+    for ax, (key, x_label, log) in zip(axes, panels, strict=True):
         for j, length in enumerate(lengths):
             value = {
                 r["method"]: r.get("ours", {}).get(key, float("nan")) for r in summary if r["prompt_tokens"] == length
@@ -223,12 +223,13 @@ def plot_presets(summary: list[dict], clock: str, title: str, path: Path) -> Non
             places = [i + j * height for i in range(len(methods))]
             ax.barh(places, [value.get(m, float("nan")) for m in methods], height, label=f"{length} tokens")
         ax.set_xlabel(x_label)
+        ax.set_xscale("log" if log else "linear")
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks([i + height * (len(lengths) - 1) / 2 for i in range(len(methods))], methods)
     axes[0].invert_yaxis()
-    axes[-1].legend(fontsize=8)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper right", fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
