@@ -526,6 +526,49 @@ def plot_pairs(reports: list[dict], title: str, path: Path) -> None:
     plt.close(fig)
 
 
+def speed_outputs(report: dict, args: argparse.Namespace) -> list[Path]:
+    """The plots of a speed_memory.py report (with ``args.tables``, its tables printed too); the paths written.
+    A report of criticalkv alone gets the presets' bars and table; one of both systems the comparison."""
+    summary, model, budget = report["summary"], report["model"], report["budget"]
+
+    def path(name: str) -> Path:
+        return args.out_dir / f"{args.tag}_{name}.png"
+
+    if ours_alone(summary):
+        plot_presets(summary, args.clock, f"criticalkv, {model}, budget {budget}", path("presets"))
+        if args.tables:  # under glibc's defaults or "retain" the peak RSS holds the retained heap: left out
+            live_rss = "--allocator mmap" in report.get("command", "--allocator mmap")
+            print(presets_table(summary, args.clock, live_rss), end="\n\n")
+        return [path("presets")]
+    ttft, decode, label = CLOCKS[args.clock]
+    time_panels = [(ttft, f"time to first token (s, {label})", 1.0), (decode, f"decode (ms/token, {label})", 1.0)]
+    memory_panels = [
+        ("peak_rss_above_start_bytes", "peak RSS above start (MiB)", MIB),
+        ("kv_bytes", "KV (MiB)", MIB),
+    ]
+    if any("peak_cuda_above_start_bytes" in r.get("ours", {}) for r in summary):
+        memory_panels.append(("peak_cuda_above_start_bytes", "peak CUDA above start (MiB)", MIB))
+    _against_length(summary, time_panels, f"{model}, budget {budget}: time", path("time"))
+    _against_length(summary, memory_panels, f"{model}, budget {budget}: memory", path("memory"))
+    plot_ratios(summary, args.clock, f"{model}, budget {budget}: criticalkv / kvpress", path("ratios"))
+    written = [path("time"), path("memory"), path("ratios")]
+    if any("compression_cpu_seconds" in r.get("kvpress", {}) for r in summary):  # runs that recorded it
+        compression_panels = [
+            ("compression_cpu_seconds", "compression inside the prefill (CPU s)", 1.0),
+            ("ttft_cpu_outside_compression_seconds", "rest of the prefill (CPU s)", 1.0),
+        ]
+        _against_length(summary, compression_panels, f"{model}, budget {budget}: compression", path("compression"))
+        written.append(path("compression"))
+    if args.tables:
+        print(speed_tables(summary, args.clock), end="\n\n")
+        print(fastest_table(report["runs"], args.clock), end="\n\n")
+        print(paired_table(report["runs"], args.clock), end="\n\n")
+        for table in (phase_table(summary), gauged_table(report["runs"])):
+            if table:
+                print(table, end="\n\n")
+    return written
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--speed", type=Path, help="a speed_memory.py report")
@@ -545,44 +588,7 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     if args.speed:
-        report = json.loads(args.speed.read_text())
-        summary, model = report["summary"], report["model"]
-        ttft, decode, label = CLOCKS[args.clock]
-        time_panels = [(ttft, f"time to first token (s, {label})", 1.0), (decode, f"decode (ms/token, {label})", 1.0)]
-        memory_panels = [
-            ("peak_rss_above_start_bytes", "peak RSS above start (MiB)", MIB),
-            ("kv_bytes", "KV (MiB)", MIB),
-        ]
-        if any("peak_cuda_above_start_bytes" in r.get("ours", {}) for r in summary):
-            memory_panels.append(("peak_cuda_above_start_bytes", "peak CUDA above start (MiB)", MIB))
-        budget = report["budget"]
-        if ours_alone(summary):
-            written.append(args.out_dir / f"{args.tag}_presets.png")
-            plot_presets(summary, args.clock, f"criticalkv, {model}, budget {budget}", written[-1])
-            if args.tables:  # under glibc's defaults or "retain" the peak RSS holds the retained heap: left out
-                live_rss = "--allocator mmap" in report.get("command", "--allocator mmap")
-                print(presets_table(summary, args.clock, live_rss), end="\n\n")
-    if args.speed and not ours_alone(summary):
-        written.append(args.out_dir / f"{args.tag}_time.png")
-        _against_length(summary, time_panels, f"{model}, budget {budget}: time", written[-1])
-        written.append(args.out_dir / f"{args.tag}_memory.png")
-        _against_length(summary, memory_panels, f"{model}, budget {budget}: memory", written[-1])
-        written.append(args.out_dir / f"{args.tag}_ratios.png")
-        plot_ratios(summary, args.clock, f"{model}, budget {budget}: criticalkv / kvpress", written[-1])
-        if any("compression_cpu_seconds" in r.get("kvpress", {}) for r in summary):  # runs that recorded it
-            compression_panels = [
-                ("compression_cpu_seconds", "compression inside the prefill (CPU s)", 1.0),
-                ("ttft_cpu_outside_compression_seconds", "rest of the prefill (CPU s)", 1.0),
-            ]
-            written.append(args.out_dir / f"{args.tag}_compression.png")
-            _against_length(summary, compression_panels, f"{model}, budget {budget}: compression", written[-1])
-        if args.tables:
-            print(speed_tables(summary, args.clock), end="\n\n")
-            print(fastest_table(report["runs"], args.clock), end="\n\n")
-            print(paired_table(report["runs"], args.clock), end="\n\n")
-            for table in (phase_table(summary), gauged_table(report["runs"])):
-                if table:
-                    print(table, end="\n\n")
+        written += speed_outputs(json.loads(args.speed.read_text()), args)
     if args.quality:
         report = json.loads(args.quality.read_text())
         written.append(args.out_dir / f"{args.tag}_quality.png")
