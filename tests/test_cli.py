@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -332,3 +333,24 @@ def test_perturbation_from_json_refuses_measuring_options(tmp_path):
     refused = "--from-json measures nothing: --methods, --samples would be ignored"
     _refused(["perturbation", "--from-json", str(path), "--methods", "snapkv", "--n", "3"], refused)
     _refused(["perturbation", "--from-json", str(path), "--no-hidden"], "--hidden would be ignored")
+
+
+def test_eval_needle_draws_a_heatmap_per_method_and_budget(tiny_tokenizer, tmp_path):
+    folder = save_random_llama(
+        tmp_path / "model", tiny_tokenizer, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+    )  # fmt: skip
+    out = tmp_path / "needle"
+    args = ["eval", "needle", "--model", str(folder), "--device", "cpu", "--methods", "snapkv:window=4"]
+    args += ["--budgets", "0.25,0.5", "--lengths", "200", "--depths", "0,1", "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, (result.exception, result.output)
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["method"], r["budget"]) for r in rows if r["method"] != "full") == [
+        ("snapkv:window=4", 0.25), ("snapkv:window=4", 0.25), ("snapkv:window=4", 0.5), ("snapkv:window=4", 0.5)
+    ]  # fmt: skip
+    heatmaps = json.loads((out / "heatmaps.json").read_text())
+    assert set(heatmaps) == {"full", "snapkv:window=4@0.25", "snapkv:window=4@0.5"}
+    assert all(set(cells) == {"200@0.0", "200@1.0"} for cells in heatmaps.values())
+    for label in heatmaps:
+        assert (out / f"heatmap_{label.replace('@', '_')}.png").stat().st_size > 1000, label

@@ -212,7 +212,9 @@ def _check_prompts(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase,
 def needle(
     model: ModelOption = DEFAULT_PRESET,
     methods: Annotated[str, typer.Option(help="Comma-separated presets.")] = "snapkv,critical-snapkv",
-    budget: Annotated[str, typer.Option(help="One budget.")] = "0.2",
+    budgets: Annotated[
+        str, typer.Option("--budgets", "--budget", help="Comma-separated budgets (one heatmap per method and budget).")
+    ] = "0.2",
     lengths: Annotated[str, typer.Option(help="Comma-separated context lengths.")] = "1024,2048,4096",
     depths: Annotated[str, typer.Option(help="Comma-separated depths in [0, 1].")] = "0,0.25,0.5,0.75,1",
     question_aware: Annotated[bool, typer.Option(help="Compress the question with the context.")] = False,
@@ -222,11 +224,11 @@ def needle(
     dtype: DtypeOption = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
 ) -> None:
-    """Needle in a haystack over depths x lengths: one heatmap per method."""
+    """Needle in a haystack over depths x lengths: one heatmap per method and budget."""
     from criticalkv.eval.needle_grid import check_grid, needle_grid, plot_heatmap
 
     try:
-        parsed = Budget.parse(budget)
+        parsed = _budgets(budgets)
         names = _methods(methods)
         regime = "aware" if question_aware else "agnostic"
         folder = out or Path("results") / f"needle-{Path(model).name}-{regime}"
@@ -249,7 +251,7 @@ def needle(
             items,
             lambda s, p: 100.0 * (s.answer in p),
             names,
-            [parsed],
+            parsed,
             regime,
             folder,
             lambda s: 16,
