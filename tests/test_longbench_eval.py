@@ -365,3 +365,27 @@ def test_other_datasets_stop_at_the_models_end_of_sequence_tokens(line_break_fol
     rows = load_rows(out / "results.jsonl")
     # the stop token is part of the answer, decoded as THUDM's pred.py decodes generate's output
     assert [(r.method, r.prediction) for r in rows] == [("full", "\n"), ("snapkv", "\n")]
+
+
+def test_resume_keeps_the_dtype_answered_in(data: Path, model_folder: Path, tmp_path: Path, monkeypatch) -> None:
+    """The folder records the dtype the model loaded in (auto and its dtype are one setting); a folder of before,
+    which recorded the word "auto", resumes with auto only."""
+    recorded = []
+
+    def sweep(*args, settings, **kwargs):
+        recorded.append(settings.get("dtype"))
+        raise CriticalKVError("stop before answering")
+
+    monkeypatch.setattr("criticalkv.eval.commands.run_sweep", sweep)
+    out = tmp_path / "out"
+    args = [str(data), "--model", str(model_folder), "--device", "cpu", "--samples", "1", "--out", str(out)]
+    for flag, dtype in (([], "float32"), (["--dtype", "float32"], "float32"), (["--dtype", "bf16"], "bfloat16")):
+        code, output = _invoke([*args, *flag])  # the random folder is saved in float32: auto loads float32
+        assert code != 0 and "stop before answering" in output
+        assert recorded.pop() == dtype
+    out.mkdir()
+    (out / SETTINGS_FILE).write_text('{"benchmark": "longbench", "dtype": "auto"}')
+    for flag, dtype in (([], "auto"), (["--dtype", "float32"], "float32")):
+        code, output = _invoke([*args, *flag])
+        assert code != 0 and "stop before answering" in output
+        assert recorded.pop() == dtype

@@ -91,11 +91,11 @@ def _load(model: str, dtype: str, device: str) -> tuple[Any, Any]:
 
 def _dtype_setting(folder: Path, model: Any, dtype: str) -> dict[str, str]:
     """A sweep's dtype setting: the dtype the model loaded in, so a resumed folder keeps the dtype it was answered in
-    (``auto`` and the dtype it resolves to are the same setting). A folder made before the option records none: it
-    was answered in ``auto``'s dtype, and resumes with ``auto`` only."""
+    (``auto`` and the dtype it resolves to are the same setting). Older folders resume with ``auto`` only: a RULER
+    or needle folder made before the option records no dtype, a LongBench folder of then records the word "auto"."""
     stored = stored_settings(folder)
-    if dtype == "auto" and stored is not None and "dtype" not in stored:
-        return {}
+    if dtype == "auto" and stored is not None and stored.get("dtype", "auto") == "auto":
+        return {"dtype": "auto"} if "dtype" in stored else {}
     return {"dtype": str(model.dtype).removeprefix("torch.")}
 
 
@@ -346,7 +346,7 @@ def longbench(
                 "data": str(data.resolve()),
                 "max_length": max_length,
                 "max_new_tokens": max_new_tokens,
-                "dtype": dtype,
+                **_dtype_setting(folder, loaded, dtype),
             },
             encode=lambda item: (item.prefix_ids, item.suffix_ids),
             stop=partial(longbench_run.stop_rule, tokenizer, loaded.generation_config.eos_token_id),
