@@ -667,3 +667,36 @@ def test_window_attention_benchmarks_baseline_is_the_same_attention() -> None:
     query, keys = torch.randn(2, 6, t, 16, generator=gen), torch.randn(2, 2, t, 16, generator=gen)
     view = LayerView(module, query.bfloat16(), keys.bfloat16(), keys.bfloat16(), valid, 0.25)
     assert torch.equal(window_attention(view, 8), one_product(view, 8))
+
+
+def test_rerun_under_starts_the_script_again_under_the_allocator_once(tmp_path: Path) -> None:
+    """glibc reads its settings at start: the script runs again (exec) with them and the marker set, then goes on."""
+    import json
+    import os
+    import subprocess
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import json, os, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent.parent / 'benchmarks')!r})\n"
+        "from timed_generation import rerun_under\n"
+        "print('started', flush=True)\n"
+        "setting = rerun_under(sys.argv[1], 'TEST_RERUN')\n"
+        "print(json.dumps([setting, sys.argv[1:], {k: v for k, v in os.environ.items() if k.startswith('MALLOC_')}]))\n"
+    )
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "TEST_RERUN"))}
+    run = subprocess.run([sys.executable, str(script), "retain"], env=environment, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[:2] == ["started", "started"] and len(lines) == 3  # run again once, not in a loop
+    setting, argv, malloc = json.loads(lines[2])
+    assert setting == "retain" and argv == ["retain"]  # the same arguments
+    assert malloc == {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**62)}
+    # already under the marker (the run again): no exec, the marker's setting, the environment as it is
+    marked = {**environment, "TEST_RERUN": "mmap"}
+    run = subprocess.run([sys.executable, str(script), "retain"], env=marked, capture_output=True, text=True)
+    assert run.stdout.splitlines()[0] == "started" and json.loads(run.stdout.splitlines()[1]) == [
+        "mmap",
+        ["retain"],
+        {},
+    ]
