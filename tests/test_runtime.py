@@ -603,7 +603,7 @@ def test_session_question_agnostic(capture_decisions):
 
 
 @pytest.mark.parametrize("budget", [0.2, 200], ids=["compressed", "kept-whole"])
-@pytest.mark.parametrize("method", ["critical-snapkv", "critical-adakv"])  # one width per layer (joined), or not
+@pytest.mark.parametrize("method", ["critical-snapkv", "critical-adakv", "full"])  # one width per layer, or not
 def test_rewind_gives_back_the_answer_memory(method, budget):
     """After an answer the session holds its compressed context alone again, as right after the prefill."""
     model = _model("llama")

@@ -195,6 +195,7 @@ class ContextSession:
         extra = self.cache.get_seq_length() - self.context_length
         if extra > 0:
             self.cache.crop(-extra)
+            release_views(self.cache.layers)  # transformers' layers crop to views of the longer storage
         if isinstance(self.cache, CompressedCache):
             self.cache.compact()
         self.mask_with_pending = self.mask
