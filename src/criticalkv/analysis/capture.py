@@ -22,16 +22,15 @@ same tokens differs from this one only by the compression.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
-from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.masking_utils import AttentionMaskInterface
 
+from criticalkv.cache.attention import MASKS, base_attention
 from criticalkv.errors import CacheStateError, CriticalKVError, UnsupportedModelError
 from criticalkv.models.families import attention_modules
 from criticalkv.runtime.compressor import prefill_view
@@ -39,7 +38,6 @@ from criticalkv.scorers import LayerView
 
 __all__ = ["Capture", "LayerCapture", "attention_modules", "capture"]
 
-BASES = {"sdpa": sdpa_mask, "eager": eager_mask}
 _ATTR = "_criticalkv_capture"  # set on each attention module while a capture runs
 
 
@@ -115,12 +113,6 @@ class _Recorder:
             )
 
 
-def _base_function(module: nn.Module, base: str):
-    if base == "eager":  # each modeling file defines its own eager function (softcapping, sinks, ...)
-        return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[base]
-
-
 def capture_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -137,13 +129,13 @@ def capture_attention(
         raise CriticalKVError("the capture attention runs only inside criticalkv.analysis.capture(...)")
     scaling = module.scaling if scaling is None else scaling
     recorder.record(module, query, key, value, attention_mask, scaling)
-    base = _base_function(module, recorder.base)
+    base = base_attention(module, recorder.base)
     return base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 def register() -> None:
     """Register the recording attention over each base implementation (idempotent)."""
-    for base, mask in BASES.items():
+    for base, mask in MASKS.items():
         AttentionInterface.register(capture_name(base), capture_attention)
         AttentionMaskInterface.register(capture_name(base), mask)
 
@@ -190,7 +182,7 @@ def capture(
     Capture
     """
     base = model.config._attn_implementation
-    if base not in BASES:
+    if base not in MASKS:
         raise UnsupportedModelError(f"capture needs a model with sdpa or eager attention, not {base!r}")
     if context_ids.dim() != 2:
         raise CriticalKVError(f"context_ids must be (batch, tokens), got shape {tuple(context_ids.shape)}")

@@ -95,7 +95,8 @@ def compressed_attention(
     return segment_attention(query, layer, tail_keys, tail_values, tail_mask, scaling)
 
 
-def _base_attention(module: nn.Module, base: str):
+def base_attention(module: nn.Module, base: str):
+    """transformers' attention function ``base`` (sdpa, eager) for ``module``."""
     if base == "eager":  # each modeling file defines its own eager function (softcapping, sinks, ...)
         return sys.modules[type(module).__module__].eager_attention_forward
     return ALL_ATTENTION_FUNCTIONS[base]
@@ -120,7 +121,7 @@ def criticalkv_attention(
         mask = layer.tail_mask(attention_mask, query.shape[2])
         out, weights = compressed_attention(query, layer, key, value, mask, scaling), None
     else:
-        base = _base_attention(module, compressor.base_implementation)
+        base = base_attention(module, compressor.base_implementation)
         out, weights = base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if layer is not None and compressor.attention_probe is not None:  # collection mode: the output is untouched
             compressor.attention_probe(module, query, key, attention_mask, scaling)
