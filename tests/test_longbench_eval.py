@@ -368,24 +368,39 @@ def test_other_datasets_stop_at_the_models_end_of_sequence_tokens(line_break_fol
 
 
 def test_resume_keeps_the_dtype_answered_in(data: Path, model_folder: Path, tmp_path: Path, monkeypatch) -> None:
-    """The folder records the dtype the model loaded in (auto and its dtype are one setting); a folder of before,
-    which recorded the word "auto", resumes with auto only."""
+    """The folder records the dtype the model loaded in (auto and its dtype are one setting); a folder of before
+    recorded the word as typed: "auto" resumes with auto only, an alias (fp32) with any --dtype loading its dtype."""
+    from criticalkv.eval.sweep import _settings_conflict
+
     recorded = []
 
     def sweep(*args, settings, **kwargs):
-        recorded.append(settings.get("dtype"))
+        recorded.append(settings)
         raise CriticalKVError("stop before answering")
 
     monkeypatch.setattr("criticalkv.eval.commands.run_sweep", sweep)
     out = tmp_path / "out"
     args = [str(data), "--model", str(model_folder), "--device", "cpu", "--samples", "1", "--out", str(out)]
-    for flag, dtype in (([], "float32"), (["--dtype", "float32"], "float32"), (["--dtype", "bf16"], "bfloat16")):
-        code, output = _invoke([*args, *flag])  # the random folder is saved in float32: auto loads float32
-        assert code != 0 and "stop before answering" in output
-        assert recorded.pop() == dtype
-    out.mkdir()
-    (out / SETTINGS_FILE).write_text('{"benchmark": "longbench", "dtype": "auto"}')
-    for flag, dtype in (([], "auto"), (["--dtype", "float32"], "float32")):
+
+    def dtype_recorded(flag: list[str]) -> str:
         code, output = _invoke([*args, *flag])
         assert code != 0 and "stop before answering" in output
-        assert recorded.pop() == dtype
+        return recorded[-1]["dtype"]
+
+    # the random folder is saved in float32: auto loads float32
+    assert [dtype_recorded(f) for f in ([], ["--dtype", "float32"], ["--dtype", "bf16"])] == [
+        "float32", "float32", "bfloat16"
+    ]  # fmt: skip
+    out.mkdir()
+    for word, flag, setting, refused in (
+        ("auto", [], "auto", False),
+        ("auto", ["--dtype", "float32"], "float32", True),
+        ("fp32", [], "fp32", False),
+        ("fp32", ["--dtype", "float"], "fp32", False),
+        ("fp32", ["--dtype", "bfloat16"], "bfloat16", True),
+    ):
+        (out / SETTINGS_FILE).write_text(json.dumps({**recorded[0], "dtype": word}))
+        assert dtype_recorded(flag) == setting
+        conflict = _settings_conflict(out, recorded[-1])
+        assert (conflict is not None) == refused, (word, flag)
+        assert not refused or f"dtype: '{word}' there, '{setting}' now" in conflict

@@ -602,11 +602,21 @@ def test_session_question_agnostic(capture_decisions):
     assert 0 < session.compressor.compress_cpu_seconds < 1e9  # each prefill counts its own compression only
 
 
-@pytest.mark.parametrize("budget", [0.2, 200], ids=["compressed", "kept-whole"])
-@pytest.mark.parametrize("method", ["critical-snapkv", "critical-adakv", "full"])  # one width per layer, or not
-def test_rewind_gives_back_the_answer_memory(method, budget):
+@pytest.mark.parametrize(
+    ("family", "method", "budget"),
+    [
+        ("llama", "critical-snapkv", 0.2),  # one width per layer (joined)
+        ("llama", "critical-snapkv", 200),  # kept whole
+        ("llama", "critical-adakv", 0.2),  # widths per head
+        ("llama", "critical-adakv", 200),
+        ("llama", "full", 1.0),  # transformers' layers crop to views of the longer storage
+        ("gemma3", "critical-snapkv", 0.2),  # sliding layers: transformers' own, cropped as the full cache's
+        ("gemma3", "full", 1.0),
+    ],
+)
+def test_rewind_gives_back_the_answer_memory(family, method, budget):
     """After an answer the session holds its compressed context alone again, as right after the prefill."""
-    model = _model("llama")
+    model = _model(family)
     question = _ids(6, seed=41)
     session = ContextSession(model, method, budget=budget)
     session.prefill(_ids(120, seed=40))
@@ -615,6 +625,17 @@ def test_rewind_gives_back_the_answer_memory(method, budget):
     assert (session.kv_bytes(), session.kv_entries()) == (held, entries)  # no room kept for the 126 tokens
     assert torch.equal(session.ask(question, 120).tokens, first.tokens)
     assert session.kv_bytes() == held
+
+
+def test_rewind_leaves_a_full_cache_that_a_short_answer_barely_grew():
+    """A copy of the whole cache to free a few answer tokens is not worth it: within REWIND_SLACK the view stays."""
+    from criticalkv.runtime.session import REWIND_SLACK
+
+    session = ContextSession(_model("llama"), "full", budget=1.0)
+    session.prefill(_ids(120, seed=40))
+    held = session.kv_bytes()
+    session.ask(_ids(6, seed=41), 6)  # 11 more tokens (the last answer token is not fed): 9% of 120
+    assert held < session.kv_bytes() <= (1 + REWIND_SLACK) * held
 
 
 def test_session_full_matches_plain_generate():

@@ -20,7 +20,7 @@ from criticalkv.eval.report import write_report
 from criticalkv.eval.sweep import REGIMES, check_out_folder, load_rows, pair_label, run_sweep, stored_settings
 from criticalkv.methods import build_method
 from criticalkv.models.families import check_length
-from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, slow_dtype_note
+from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, as_dtype, slow_dtype_note
 from criticalkv.progress import output_console, print_error
 
 if TYPE_CHECKING:  # needle_grid pulls matplotlib: imported by the command only
@@ -91,12 +91,24 @@ def _load(model: str, dtype: str, device: str) -> tuple[Any, Any]:
 
 def _dtype_setting(folder: Path, model: Any, dtype: str) -> dict[str, str]:
     """A sweep's dtype setting: the dtype the model loaded in, so a resumed folder keeps the dtype it was answered in
-    (``auto`` and the dtype it resolves to are the same setting). Older folders resume with ``auto`` only: a RULER
-    or needle folder made before the option records no dtype, a LongBench folder of then records the word "auto"."""
+    (``auto`` and the dtype it resolves to are the same setting). Older folders: a RULER or needle folder made before
+    the option records no dtype and resumes with ``auto`` only; a LongBench folder of then records the word as typed,
+    "auto" (resumes with ``auto`` only) or a dtype's name or alias (resumes with any --dtype loading that dtype)."""
     stored = stored_settings(folder)
     if dtype == "auto" and stored is not None and stored.get("dtype", "auto") == "auto":
         return {"dtype": "auto"} if "dtype" in stored else {}
+    word = (stored or {}).get("dtype")
+    if word not in (None, "auto") and _is_dtype_word(word, model.dtype):  # LongBench recorded the word as typed
+        return {"dtype": word}
     return {"dtype": str(model.dtype).removeprefix("torch.")}
+
+
+def _is_dtype_word(word: str, dtype: Any) -> bool:
+    """Whether ``word`` (a --dtype value, aliases included: bf16, fp32, ...) names ``dtype``."""
+    try:
+        return as_dtype(word, "auto") == dtype
+    except CriticalKVError:
+        return False
 
 
 def _fail(error: Exception) -> None:

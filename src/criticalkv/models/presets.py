@@ -360,7 +360,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return chosen
 
 
-def _as_dtype(dtype: torch.dtype | str, auto: torch.dtype | str) -> torch.dtype | str:
+def as_dtype(dtype: torch.dtype | str, auto: torch.dtype | str) -> torch.dtype | str:
+    """The torch dtype a ``--dtype`` value names (aliases: bf16, fp16, half, fp32, float); ``auto`` for "auto"."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -435,7 +436,7 @@ def load_model(
     """
     target = resolve_device(device) if distributed_config is None else None
     is_preset = name_or_path in PRESETS
-    torch_dtype = _as_dtype(dtype, torch.bfloat16 if is_preset else "auto")
+    torch_dtype = as_dtype(dtype, torch.bfloat16 if is_preset else "auto")
     if is_preset:
         source = str(resolve_model_folder(name_or_path))
     elif Path(name_or_path).expanduser().exists():

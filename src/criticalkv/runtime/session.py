@@ -19,6 +19,10 @@ from criticalkv.runtime.api import make_compressor
 from criticalkv.runtime.compressor import Compressor
 from criticalkv.runtime.method import Method
 
+#: ``rewind`` copies a transformers layer cropped back to the context only when the storage it keeps holds more
+#: than this fraction on top of the context: the copy then frees at least a ninth of what it reads.
+REWIND_SLACK = 0.125
+
 
 @dataclass
 class Generation:
@@ -195,7 +199,7 @@ class ContextSession:
         extra = self.cache.get_seq_length() - self.context_length
         if extra > 0:
             self.cache.crop(-extra)
-            release_views(self.cache.layers)  # transformers' layers crop to views of the longer storage
+            release_views(self.cache.layers, slack=REWIND_SLACK)  # transformers' layers crop to views
         if isinstance(self.cache, CompressedCache):
             self.cache.compact()
         self.mask_with_pending = self.mask
