@@ -42,7 +42,9 @@ def main() -> None:
     parser.add_argument("--method", default="critical-adakv")
     parser.add_argument("--budget", default="0.2")
     parser.add_argument("--batch", type=int, default=1, help="rows (the same prompt repeated)")
-    parser.add_argument("--paths", default="segments,padded", help="comma-separated: flash, uniform, padded, segments")
+    parser.add_argument(
+        "--paths", default="segments,padded", help="comma-separated: auto, flash, uniform, padded, segments"
+    )
     parser.add_argument("--full", action="store_true", help="also time a full-cache session")
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)

@@ -82,7 +82,7 @@ def rerun_under(allocator: str, marker: str) -> str:
     environment variable ``marker`` tells it. Returns the allocator setting the process runs under."""
     if os.environ.get(marker) is None:
         environment = {**child_environment(allocator), marker: allocator}
-        os.execve(sys.executable, [sys.executable, *sys.argv], environment)
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)  # the interpreter's flags too
     return os.environ[marker]
 
 

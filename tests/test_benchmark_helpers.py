@@ -682,21 +682,23 @@ def test_rerun_under_starts_the_script_again_under_the_allocator_once(tmp_path: 
         "from timed_generation import rerun_under\n"
         "print('started', flush=True)\n"
         "setting = rerun_under(sys.argv[1], 'TEST_RERUN')\n"
-        "print(json.dumps([setting, sys.argv[1:], {k: v for k, v in os.environ.items() if k.startswith('MALLOC_')}]))\n"
+        "malloc = {k: v for k, v in os.environ.items() if k.startswith('MALLOC_')}\n"
+        "print(json.dumps([setting, sys.argv[1:], malloc, sys.flags.utf8_mode]))\n"
     )
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "TEST_RERUN"))}
-    run = subprocess.run([sys.executable, str(script), "retain"], env=environment, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    lines = run.stdout.splitlines()
-    assert lines[:2] == ["started", "started"] and len(lines) == 3  # run again once, not in a loop
-    setting, argv, malloc = json.loads(lines[2])
-    assert setting == "retain" and argv == ["retain"]  # the same arguments
-    assert malloc == {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**62)}
+
+    def lines(allocator: str, env: dict, flags: tuple[str, ...] = ()) -> list[str]:
+        run = subprocess.run([sys.executable, *flags, str(script), allocator], env=env, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.splitlines()
+
+    printed = lines("retain", environment, ("-X", "utf8"))  # an interpreter flag, kept by the run again
+    assert printed[:2] == ["started", "started"] and len(printed) == 3  # run again once, not in a loop
+    assert json.loads(printed[2]) == [
+        "retain", ["retain"], {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**62)}, 1
+    ]  # fmt: skip
+    # "mmap": every tensor buffer mmapped (a 64 KiB threshold), so peak RSS follows live memory
+    assert json.loads(lines("mmap", environment)[2])[2] == {"MALLOC_MMAP_THRESHOLD_": "65536"}
     # already under the marker (the run again): no exec, the marker's setting, the environment as it is
-    marked = {**environment, "TEST_RERUN": "mmap"}
-    run = subprocess.run([sys.executable, str(script), "retain"], env=marked, capture_output=True, text=True)
-    assert run.stdout.splitlines()[0] == "started" and json.loads(run.stdout.splitlines()[1]) == [
-        "mmap",
-        ["retain"],
-        {},
-    ]
+    printed = lines("retain", {**environment, "TEST_RERUN": "mmap"})
+    assert printed[0] == "started" and json.loads(printed[1]) == ["mmap", ["retain"], {}, 0]

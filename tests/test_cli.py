@@ -328,7 +328,7 @@ def test_an_install_command_in_an_error_is_one_line_to_paste(monkeypatch):
 
 
 def test_perturbation_from_json_refuses_measuring_options(tmp_path):
-    # the file is never read: the options are refused first, naming each one as it was written
+    # the file is never read: the options are refused first, each named by its first flag (--n: --samples)
     path = tmp_path / "perturbation.json"
     refused = "--from-json measures nothing: --methods, --samples would be ignored"
     _refused(["perturbation", "--from-json", str(path), "--methods", "snapkv", "--n", "3"], refused)

@@ -20,7 +20,7 @@ from criticalkv.methods import build_method
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^ *```[a-z]*\n(.*?)^ *```", re.MULTILINE | re.DOTALL)
-INDENTED = re.compile(r"^\n((?:    \S.*\n)+)", re.MULTILINE)  # a Markdown code block by indentation
+INDENTED = re.compile(r"^\n(    \S.*\n(?:    .*\n)*)", re.MULTILINE)  # a Markdown code block by indentation
 ENV = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 CLI = typer.main.get_command(app)
 

@@ -492,18 +492,17 @@ def run_analysis(
     return payload
 
 
-# the options --from-json takes from the file: giving one of them with it is refused rather than ignored
-_MEASURING_OPTIONS = (
-    "model", "methods", "budgets", "prompts", "n", "length", "mode", "generate", "seed", "dtype", "device", "hidden",
-    "stepwise", "window_queries", "exhaustive_check", "exhaustive_trials", "exhaustive_entries", "exhaustive_budget",
-)  # fmt: skip
+# the options that still apply with --from-json; every other option measures, and is refused there if given
+_REDRAWING_OPTIONS = ("out", "pairs", "plots", "from_json")
 
 
 def _measuring_options_given(ctx: typer.Context) -> list[str]:
-    """The measuring options set on the command line (or the environment), as their flags."""
-    # by name: typer carries its own copy of click, whose ParameterSource is not click's
-    given = [name for name in _MEASURING_OPTIONS if ctx.get_parameter_source(name).name != "DEFAULT"]
-    return ["--samples" if name == "n" else "--" + name.replace("_", "-") for name in given]
+    """The measuring options set on the command line, as their first flag (``--samples`` for ``--n``)."""
+    return [
+        param.opts[0]
+        for param in ctx.command.params
+        if param.name not in _REDRAWING_OPTIONS and ctx.get_parameter_source(param.name).name != "DEFAULT"
+    ]  # by name: typer carries its own copy of click, whose ParameterSource is not click's
 
 
 def perturbation(

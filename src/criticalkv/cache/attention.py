@@ -27,7 +27,15 @@ from criticalkv.cache.fused_attention import (
 )
 from criticalkv.errors import CriticalKVError
 
-__all__ = ["as_bool_mask", "compressed_attention", "criticalkv_attention", "register", "segment_attention"]
+__all__ = [
+    "MASKS",
+    "as_bool_mask",
+    "base_attention",
+    "compressed_attention",
+    "criticalkv_attention",
+    "register",
+    "segment_attention",
+]
 
 BASE_IMPLEMENTATIONS = ("sdpa", "eager")
 MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}

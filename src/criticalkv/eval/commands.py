@@ -231,7 +231,7 @@ def needle(
     depths: Annotated[str, typer.Option(help="Comma-separated depths in [0, 1].")] = "0,0.25,0.5,0.75,1",
     question_aware: Annotated[bool, typer.Option(help="Compress the question with the context.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of the needles.")] = 0,
-    out: Annotated[Path | None, typer.Option(help="Results folder.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Results folder (resumes if it has results).")] = None,
     batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = False,
     dtype: DtypeOption = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
