@@ -19,6 +19,7 @@ from criticalkv.cache.attention import compressed_attention, segment_attention
 from criticalkv.cache.fused_attention import (
     ATTENTION_ENV_VAR,
     CPU_PADDED_MAX_BYTES,
+    CPU_SEGMENT_ENTRIES,
     PADDING_FACTOR,
     choose_path,
     flash_reasons,
@@ -283,6 +284,12 @@ def test_auto_on_cpu_is_padded_within_the_padding_factor_and_size_else_segments(
     large = _layer_with_lengths(torch.tensor([[5000, 4990, 5000, 4999]]), tail=1, d=64)
     assert CPU_PADDED_MAX_BYTES < 4 * 5001 * 64 * 4
     assert choose_path(torch.randn(1, 4, 1, 64), large, mask, 1) == "segments"
+    # small enough to pad, evenly, but long segments: read in place (CPU_SEGMENT_ENTRIES)
+    long = _layer_with_lengths(torch.tensor([[300, 290, 300, 299]]), tail=1, d=64)
+    assert CPU_PADDED_MAX_BYTES > 4 * 301 * 64 * 4 and 4 * CPU_SEGMENT_ENTRIES <= (1189 + 4)
+    assert choose_path(torch.randn(1, 4, 1, 64), long, mask, 1) == "segments"
+    shorter = _layer_with_lengths(torch.tensor([[250, 240, 250, 249]]), tail=1, d=64)
+    assert choose_path(torch.randn(1, 4, 1, 64), shorter, mask, 1) == "padded"
 
 
 def test_environment_variable_forces_a_path(monkeypatch):

@@ -3,8 +3,9 @@
 Dense (not yet compressed) layers go to the model's own attention implementation with transformers' mask,
 so an uncompressed run is exactly the model's run. Compressed layers attend over their variable-length
 segments through ``compressed_attention``: flash-attn's varlen kernel, one SDPA call over equal-length
-segments or one padded SDPA call over all segments (``fused_attention``), or one SDPA call per segment
-(``segment_attention``); ``fused_attention.choose_path`` says which, and ``$CRITICALKV_ATTENTION`` forces one.
+segments or one padded SDPA call over all segments (``fused_attention``), or segment by segment over views of
+the stored entries (``segment_attention``); ``fused_attention.choose_path`` says which, and
+``$CRITICALKV_ATTENTION`` forces one.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
@@ -41,6 +41,10 @@ BASE_IMPLEMENTATIONS = ("sdpa", "eager")
 MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}
 
 
+#: Logits of one block of query rows in ``segment_attention`` (float32 elements: 16 MiB).
+SEGMENT_BLOCK_ELEMENTS = 2**22
+
+
 def implementation_name(base: str) -> str:
     """The registry name under which criticalkv wraps a base implementation (``criticalkv_sdpa``, ...)."""
     return f"criticalkv_{base}"
@@ -54,31 +58,43 @@ def segment_attention(
     tail_mask: torch.Tensor,
     scaling: float,
 ) -> torch.Tensor:
-    """Attention of a compressed layer: each segment's kept context entries, then the shared tail.
+    """Attention of a compressed layer, segment by segment, over views of its stored entries (nothing copied).
 
     query (b, h_q, q, d); tail_keys, tail_values (b, h_kv, tail, d); tail_mask (b, 1, q, tail) bool, True where
     a query may read a tail entry (every query reads the whole context). Returns (b, q, h_q, d), the layout
-    transformers' attention functions return. The G query heads of a KV head are folded into the query axis,
-    so keys are never repeated; one ``scaled_dot_product_attention`` call per (row, KV head) segment.
+    transformers' attention functions return. The G query heads of a KV head are folded into the query axis, so
+    keys are never repeated. Each segment's logits come from its slice of the flat context and the tail's from
+    one batched product; softmax and products run in float32 (as SDPA accumulates), blocks of query rows bounding
+    the logits to ``SEGMENT_BLOCK_ELEMENTS``. A query that reads nothing gets zeros, as from SDPA.
     """
     b, h_q, q, d = query.shape
     h_kv = layer.lengths.shape[1]
-    g = h_q // h_kv
-    tail = tail_keys.shape[2]
-    folded = query.reshape(b, h_kv, g * q, d)
-    row_mask = tail_mask[:, 0, None].expand(b, g, q, tail).reshape(b, g * q, tail)  # (b, G*q, tail)
+    g, tail, segments = h_q // h_kv, tail_keys.shape[2], b * h_kv
+    folded = query.reshape(segments, g * q, d).float() * scaling  # (S, G*q, d): query heads of a KV head adjacent
+    tail_k = tail_keys.reshape(segments, tail, d).float()
+    tail_v = tail_values.reshape(segments, tail, d).float()
+    tail_logits = torch.bmm(folded, tail_k.transpose(1, 2))  # (S, G*q, tail)
+    if not bool(tail_mask.all()):
+        readable = tail_mask[:, :, None].expand(b, 1, g, q, tail).reshape(b, 1, g * q, tail)
+        tail_logits = tail_logits.view(b, h_kv, g * q, tail).masked_fill(~readable, float("-inf"))
+        tail_logits = tail_logits.view(segments, g * q, tail)
     offsets = layer.offsets().tolist()
-    out = torch.empty_like(folded)
-    for row in range(b):
-        for head in range(h_kv):
-            start, end = offsets[row * h_kv + head], offsets[row * h_kv + head + 1]
-            keys = torch.cat([layer.context_keys[start:end], tail_keys[row, head]])  # (n + tail, d)
-            values = torch.cat([layer.context_values[start:end], tail_values[row, head]])
-            mask = torch.cat([row_mask.new_ones(g * q, end - start), row_mask[row]], dim=-1)  # (G*q, n + tail)
-            out[row, head] = F.scaled_dot_product_attention(
-                folded[row, head][None], keys[None], values[None], attn_mask=mask[None], scale=scaling
-            )[0]
-    return out.view(b, h_q, q, d).transpose(1, 2)
+    context_keys, context_values = layer.context_keys, layer.context_values
+    out = folded.new_empty(segments, g * q, d)
+    for segment in range(segments):
+        start, end = offsets[segment], offsets[segment + 1]
+        keys = context_keys[start:end].float()  # (n, d): a view in float32, a copy otherwise
+        values = context_values[start:end].float()
+        step = max(1, SEGMENT_BLOCK_ELEMENTS // max(end - start + tail, 1))
+        for row in range(0, g * q, step):
+            rows = slice(row, row + step)
+            logits = torch.cat([folded[segment, rows] @ keys.T, tail_logits[segment, rows]], dim=1)  # (r, n + tail)
+            weights = torch.softmax(logits, dim=-1)
+            if end == start:  # without context a query may read nothing: zeros, not NaN
+                weights = weights.nan_to_num(0.0)
+            context_weights, tail_weights = weights[:, : end - start], weights[:, end - start :]
+            out[segment, rows] = context_weights @ values + tail_weights @ tail_v[segment]
+    return out.to(query.dtype).view(b, h_q, q, d).transpose(1, 2)
 
 
 def compressed_attention(

@@ -14,7 +14,8 @@ back) and a dense tail shared in length by every segment. Four paths compute the
 * ``padded``: each segment's context gathered into a (b, h_kv, max_len + tail, d) tensor with a boolean mask,
   the G query heads folded into the query axis, one ``scaled_dot_product_attention`` call. Any device, any
   dtype, any tail mask (padded questions included).
-* ``segments``: ``attention.segment_attention``, one SDPA call per segment; no padding at all.
+* ``segments``: ``attention.segment_attention``, segment by segment over views of the stored entries (float32
+  products and softmax); nothing copied or padded.
 
 ``choose_path`` decides, in this order:
 
@@ -23,17 +24,21 @@ back) and a dense tail shared in length by every segment. Four paths compute the
 2. ``flash`` when the query is on CUDA in float16/bfloat16, ``flash_attn`` imports, the head size is one
    flash-attn supports, and the tail mask is plain causal (no padded tail entries).
 3. ``uniform`` when every segment holds the same number of context entries.
-4. ``padded``: on CUDA, when the padded keys take at most ``CUDA_PADDED_MAX_BYTES``; on CPU, when they hold at
+4. ``padded``: on CUDA, when the padded keys take at most ``CUDA_PADDED_MAX_BYTES``; on CPU, when the segments
+   hold fewer than ``CPU_SEGMENT_ENTRIES`` stored entries on average (context and tail), the padded keys hold at
    most ``PADDING_FACTOR`` times the entries the layer stores, i.e. ``segments * (max_len + tail) <=
    PADDING_FACTOR * (kept + segments * tail)`` (the padding waste is ``segments * max_len - kept`` entries), and
    take at most ``CPU_PADDED_MAX_BYTES``.
-5. ``segments`` otherwise: on CPU, budgets so uneven that padding would waste more than the factor allows, or a
-   layer so large that the per-segment loop is faster; on CUDA, padded keys beyond the byte limit.
+5. ``segments`` otherwise: on CPU, segments long enough that reading them in place beats gathering them, budgets
+   so uneven that padding would waste more than the factor allows, or a layer too large to pad; on CUDA, padded
+   keys beyond the byte limit.
 
-Why the CPU size limit: the per-segment loop copies each segment and attends over it while it is still in the
-processor's cache; the padded path writes all segments (padding included) and reads them back. Measured on
-2 x86 cores (one thread, bfloat16, d = 64, decoding one token), the padded path is 1.3-7x faster up to about
-4 MiB of padded keys (32k entries at d = 64 in bfloat16) and up to 2.5x slower beyond.
+Why the CPU rule: the padded path gathers every stored entry into the padded tensor at every step (an
+``index_select`` of d-wide rows, the bulk of its time), then attends; the per-segment loop reads each segment
+where it lies but pays a dozen operator calls per segment. Measured on 2 x86 cores (one thread, float32, d = 64,
+decoding one token, per-head counts spread 0.3-1.7x their mean), the loop took 0.11-0.5x the padded path's time
+from 1000 entries per segment on (2 to 32 segments), about as long at 200, and 1.5-2.2x as long at 50 entries
+with 3 or more segments.
 
 Why no padding factor on CUDA: a GPU reads the padding at its memory bandwidth, while the per-segment loop
 launches a few kernels per (row, KV head) in every layer at every step. On an H200 (Qwen2.5-0.5B's shape, random
@@ -56,6 +61,7 @@ from criticalkv.errors import CriticalKVError
 __all__ = [
     "ATTENTION_ENV_VAR",
     "CPU_PADDED_MAX_BYTES",
+    "CPU_SEGMENT_ENTRIES",
     "CUDA_PADDED_MAX_BYTES",
     "PADDING_FACTOR",
     "PATHS",
@@ -73,6 +79,8 @@ PATHS = ("auto", "flash", "uniform", "padded", "segments")
 PADDING_FACTOR = 4.0
 #: On CPU, the padded path runs when its padded key tensor takes at most this many bytes (module docstring).
 CPU_PADDED_MAX_BYTES = 4 * 2**20
+#: On CPU, the padded path runs when the segments store fewer entries than this on average (module docstring).
+CPU_SEGMENT_ENTRIES = 256
 #: On CUDA, the padded path runs when its padded key tensor takes at most this many bytes.
 CUDA_PADDED_MAX_BYTES = 2**30
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -205,8 +213,9 @@ def padded_attention(
 
 def padding_fits(layer: CompressedLayer, tail: int) -> bool:
     """Whether the padded path may run on this layer (rule 4 of the module docstring): on CUDA its padded keys take
-    at most ``CUDA_PADDED_MAX_BYTES``; on CPU they hold at most ``PADDING_FACTOR`` x the entries the layer stores
-    and take at most ``CPU_PADDED_MAX_BYTES``."""
+    at most ``CUDA_PADDED_MAX_BYTES``; on CPU the segments store fewer than ``CPU_SEGMENT_ENTRIES`` entries on
+    average, and the padded keys hold at most ``PADDING_FACTOR`` x the entries the layer stores and take at most
+    ``CPU_PADDED_MAX_BYTES``."""
     segments = layer.lengths.numel()
     width = int(layer.lengths.max()) if segments else 0
     padded = segments * (width + tail)
@@ -215,7 +224,8 @@ def padding_fits(layer: CompressedLayer, tail: int) -> bool:
     if keys.is_cuda:
         return padded_bytes <= CUDA_PADDED_MAX_BYTES
     stored = keys.shape[0] + segments * tail
-    return padded <= PADDING_FACTOR * max(stored, 1) and padded_bytes <= CPU_PADDED_MAX_BYTES
+    short = stored < CPU_SEGMENT_ENTRIES * segments
+    return short and padded <= PADDING_FACTOR * max(stored, 1) and padded_bytes <= CPU_PADDED_MAX_BYTES
 
 
 # --- the flash-attn path ----------------------------------------------------------------------------------------
