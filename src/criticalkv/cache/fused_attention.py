@@ -43,7 +43,8 @@ with 3 or more segments.
 Why no padding factor on CUDA: a GPU reads the padding at its memory bandwidth, while the per-segment loop
 launches a few kernels per (row, KV head) in every layer at every step. On an H200 (Qwen2.5-0.5B's shape, random
 weights, AdaKV and CriticalKV-AdaKV at budget 0.2, 8k tokens, docs/benchmarks.md) the loop decoded at 34-43 ms per
-token at batch 1 and 68-72 ms at batch 4, the padded path at 31-33 ms at both.
+token at batch 1 and 68-72 ms at batch 4, the padded path at 31-33 ms at both (the loop of then, one SDPA call
+over a copy of each segment; today's, with more operator calls per segment, is not timed on a GPU).
 """
 
 from __future__ import annotations
