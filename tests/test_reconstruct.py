@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, Gemma3TextConfig, LlamaConfig
 
 from criticalkv.budget import Budget
@@ -203,6 +204,39 @@ def test_probe_reads_a_missing_mask_as_causal():
     probes[0](module, query, keys, None, 0.3)
     probes[1](module, query, keys, causal[None, None].expand(b, 1, q, t + q), 0.3)
     torch.testing.assert_close(probes[0].maxima[0], probes[1].maxima[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_cpu_probe_equals_the_softmax_over_the_whole_cache(dtype, masked):
+    """attend under SDPA on CPU (the kernel's output and log-sum-exp, logits of the prefill columns only) gives the
+    model's own output and the maxima of the probe that recomputes the softmax over every column."""
+    g = torch.Generator().manual_seed(13)
+    b, h_q, h_kv, q, t, d = 2, 4, 2, 6, 9, 8
+    query = torch.randn(b, h_q, q, d, generator=g).to(dtype)
+    keys, values = (torch.randn(b, h_kv, t + q, d, generator=g).to(dtype) for _ in range(2))
+    allowed = torch.arange(t + q)[None, :] <= (t + torch.arange(q))[:, None]  # (q, t + q) causal over the chunk
+    allowed = allowed[None].repeat(b, 1, 1)
+    if masked:
+        allowed[1, :, :3] = False  # row 1: three prefill padding positions
+    mask = allowed[:, None] if masked else None
+    valid = torch.ones(b, q, dtype=torch.bool)
+    valid[1, :2] = False  # row 1: two padding queries cast no vote
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    repeated = [x.repeat_interleave(h_q // h_kv, dim=1) for x in (keys, values)]
+    want = F.scaled_dot_product_attention(query, *repeated, attn_mask=allowed[:, None], scale=0.3).transpose(1, 2)
+    fused, plain = (MaxAttentionProbe(t, 1, valid) for _ in range(2))
+    out, weights = fused.attend(module, query, keys, values, mask, 0.3, base=lambda: pytest.fail("base ran"), sdpa=True)
+    plain(module, query, keys, mask, 0.3)
+    assert weights is None and out.shape == (b, q, h_q, d)
+    torch.testing.assert_close(out, want.contiguous(), rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
+    torch.testing.assert_close(fused.maxima[0], plain.maxima[0], rtol=1e-5, atol=1e-6)
+    assert bool((fused.maxima[0] <= 1).all())
+    # elsewhere (not SDPA, or not on CPU) the model's own function runs, then the probe of __call__
+    other = MaxAttentionProbe(t, 1, valid)
+    ran = other.attend(module, query, keys, values, mask, 0.3, base=lambda: ("base output", None), sdpa=False)
+    assert ran == ("base output", None) and torch.equal(other.maxima[0], plain.maxima[0])
 
 
 def test_group_scores_are_attention_weights(monkeypatch, tiny_tokenizer):

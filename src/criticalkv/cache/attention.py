@@ -146,9 +146,16 @@ def criticalkv_attention(
         out, weights = compressed_attention(query, layer, key, value, mask, scaling), None
     else:
         base = base_attention(module, compressor.base_implementation)
-        out, weights = base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        if layer is not None and compressor.attention_probe is not None:  # collection mode: the output is untouched
-            compressor.attention_probe(module, query, key, attention_mask, scaling)
+
+        def run_base() -> tuple[torch.Tensor, torch.Tensor | None]:
+            return base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+        probe = compressor.attention_probe
+        if layer is not None and probe is not None:  # collection mode: the output as the model's own
+            sdpa = compressor.base_implementation == "sdpa" and not dropout
+            out, weights = probe.attend(module, query, key, value, attention_mask, scaling, run_base, sdpa)
+        else:
+            out, weights = run_base()
     if layer is not None and layer.fresh:
         compressor.compress_layer(module, query, key, value, attention_mask, scaling, layer)
     return out, weights

@@ -32,6 +32,7 @@ from criticalkv.errors import CacheStateError, PaddingError, UnsupportedModelErr
 from criticalkv.models.families import attention_modules, check_supported
 from criticalkv.runtime.method import Method
 from criticalkv.scorers import LayerView
+from criticalkv.scorers.reconstruct import MaxAttentionProbe
 
 
 @dataclass
@@ -165,9 +166,9 @@ class Compressor:
         self._inputs: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # the prefill's ids and mask
         self._finishing = False  # forwards run by a scorer while finishing a deferred prefill
         self._prefilling = False  # the running forward is a prefill (a new cache): its end frees the prompt's views
-        # Collection mode: while set, the attention function calls it on each dense compressible layer with
-        # (module, query, keys, mask, scaling) after computing the layer's own output (reconstruction scoring).
-        self.attention_probe: Callable[..., None] | None = None
+        # Collection mode: while set, the attention function of each dense compressible layer runs through its
+        # ``attend``, which returns the layer's own output and collects what it probes (reconstruction scoring).
+        self.attention_probe: MaxAttentionProbe | None = None
         self._state_cache: weakref.ref | None = None  # the cache whose prefill ``_state`` belongs to (not kept alive)
         self._active: weakref.ref | None = None  # the cache the running forward fills (``active_cache``)
         self._state: dict = {}

@@ -5,13 +5,16 @@ depend on any question, so a context compressed this way serves whatever is aske
 The runtime keeps every layer dense through the prefill (``after_prefill``), then ``score_after_prefill`` feeds
 the repeat prompt and the context back in chunks over the same cache, with the attention function in collection
 mode (``Compressor.attention_probe``): each layer computes its own output as usual, and the probe takes the
-float32 softmax of the reconstruction queries over the whole cache and keeps, per entry, the maximum. After each
-chunk the cache is trimmed back to the prefill, so no reconstruction token stays.
+float32 softmax of the reconstruction queries over the whole cache and keeps, per entry, the maximum. On CPU under
+SDPA the fused kernel's log-sum-exp gives the softmax's denominators with the output, and the probe computes only
+the prefill's logits. After each chunk the cache is trimmed back to the prefill, so no reconstruction token stays.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -138,39 +141,107 @@ class MaxAttentionProbe:
     maxima: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @torch.no_grad()
+    def attend(
+        self,
+        module: nn.Module,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float,
+        base: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
+        sdpa: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's attention output, what ``base`` (the model's attention function) returns, with this probe's
+        maxima collected on the way; shapes as in ``__call__``, values (b, h_kv, n, d).
+
+        On CPU under SDPA (``sdpa``) one call of torch's fused CPU kernel gives the output and every query's
+        log-sum-exp over the whole cache, so the probe needs the logits of the prefill's t columns only and takes
+        no softmax of its own (a weight is exp(logit - log-sum-exp), and exp is monotonic: one exp per entry).
+        Elsewhere ``base`` runs and the probe recomputes the softmax over the whole cache (``__call__``).
+        """
+        if not (sdpa and query.device.type == "cpu" and query.dtype in _FUSED_CPU_DTYPES):
+            out = base()
+            self(module, query, keys, mask, scaling)
+            return out
+        b, h_q, q, _ = query.shape
+        g, n = h_q // keys.shape[1], keys.shape[2]
+        allowed = _allowed(mask, b, q, n, query.device)  # (b, q, n)
+        additive = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, -math.inf)
+        out, log_sum_exp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query,
+            keys.repeat_interleave(g, dim=1),  # (b, h_q, n, d), as transformers' repeat_kv
+            values.repeat_interleave(g, dim=1),
+            0.0,
+            False,
+            attn_mask=additive[:, None],  # (b, 1, q, n)
+            scale=scaling,
+        )  # (b, h_q, q, d), (b, h_q, q) float32
+        self._collect(module, query, keys, allowed, log_sum_exp, scaling)
+        return out.transpose(1, 2).contiguous(), None  # (b, q, h_q, d), as transformers' attention functions
+
+    @torch.no_grad()
     def __call__(
         self, module: nn.Module, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scaling: float
     ) -> None:
         """query (b, h_q, q, d) post-RoPE; keys (b, h_kv, n, d), the layer's prefill then the chunk (n = t + q);
         mask (b, 1, q, n) as the model's attention receives it (bool, additive float, or None for causal)."""
+        b, q = query.shape[0], query.shape[2]
+        self._collect(module, query, keys, _allowed(mask, b, q, keys.shape[2], query.device), None, scaling)
+
+    def _collect(
+        self,
+        module: nn.Module,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        allowed: torch.Tensor,
+        log_sum_exp: torch.Tensor | None,
+        scaling: float,
+    ) -> None:
+        """Fold the scored queries' weights into ``maxima``: allowed (b, q, n) bool; log_sum_exp (b, h_q, q)
+        float32, each query's over the whole cache, or None to compute the softmax here over all n columns."""
         b, h_q, q, d = query.shape
-        h_kv, n = keys.shape[1], keys.shape[2]
+        h_kv = keys.shape[1]
         g, t = h_q // h_kv, self.context_length
         rows = torch.arange(0, q, self.query_stride, device=query.device)  # scored reconstruction queries
-        if mask is None:  # causal over the chunk, everything before visible
-            allowed = torch.arange(n, device=query.device)[None, :] <= (n - q + rows)[:, None]  # (q_s, n)
-            allowed = allowed[None].expand(b, -1, -1)
-        else:
-            allowed = as_bool_mask(mask)[:, 0, rows, :n]  # (b, q_s, n)
-        hidden = ~allowed  # (b, q_s, n)
+        hidden = ~allowed[:, rows]  # (b, q_s, n)
         first = 0 if bool(hidden[..., :t].any()) else t  # without prefill padding only the chunk's columns hide
         unscored = ~self.query_valid[:, rows]  # (b, q_s): padding queries cast no vote
-        keys_t = keys.float().transpose(-1, -2)  # (b, h_kv, d, n)
+        columns = t if log_sum_exp is not None else keys.shape[2]  # the prefill's, or all for the denominator
+        keys_t = keys[:, :, :columns].float().transpose(-1, -2)  # (b, h_kv, d, columns)
         best = self.maxima.get(module.layer_idx)
         if best is None:
             best = query.new_zeros((b, h_kv, g, t), dtype=torch.float32)
-        step = max(1, _PROBE_ELEMENTS // (b * h_q * n))
+        step = max(1, _PROBE_ELEMENTS // (b * h_q * columns))
         for s in range(0, len(rows), step):
             m = len(rows[s : s + step])
-            picked = query[:, :, s * self.query_stride : (s + m) * self.query_stride : self.query_stride]
-            q_block = (picked.float() * scaling).reshape(b, h_kv, g * m, d)  # query head = kv head * G + g
-            logits = torch.matmul(q_block, keys_t).view(b, h_kv, g, m, n)
-            logits[..., first:].masked_fill_(hidden[:, None, None, s : s + m, first:], float("-inf"))
-            weights = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # unnormalised softmax, in place
-            inverse = weights.sum(dim=-1, keepdim=True).reciprocal_()  # (b, h_kv, G, m, 1)
-            inverse.masked_fill_(unscored[:, None, None, s : s + m, None], 0.0)  # padding queries cast no vote
-            best = torch.maximum(best, weights[..., :t].mul_(inverse).amax(dim=3))  # (b, h_kv, G, t)
+            block = slice(s * self.query_stride, (s + m) * self.query_stride, self.query_stride)
+            q_block = (query[:, :, block].float() * scaling).reshape(b, h_kv, g * m, d)  # query head = kv * G + g
+            logits = torch.matmul(q_block, keys_t).view(b, h_kv, g, m, columns)
+            logits[..., first:].masked_fill_(hidden[:, None, None, s : s + m, first:columns], float("-inf"))
+            if log_sum_exp is not None:  # log-weights of the prefill's columns; one exp per entry after the max
+                logits.sub_(log_sum_exp[:, :, block].reshape(b, h_kv, g, m, 1))
+                logits.masked_fill_(unscored[:, None, None, s : s + m, None], float("-inf"))
+                weights = logits.amax(dim=3).exp_().clamp_(max=1.0)  # (b, h_kv, G, t): rounding may pass 1
+            else:
+                weights = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # unnormalised softmax, in place
+                inverse = weights.sum(dim=-1, keepdim=True).reciprocal_()  # (b, h_kv, G, m, 1)
+                inverse.masked_fill_(unscored[:, None, None, s : s + m, None], 0.0)  # padding queries cast no vote
+                weights = weights[..., :t].mul_(inverse).amax(dim=3)  # (b, h_kv, G, t)
+            best = torch.maximum(best, weights)
         self.maxima[module.layer_idx] = best
+
+
+_FUSED_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _allowed(mask: torch.Tensor | None, b: int, q: int, n: int, device: torch.device) -> torch.Tensor:
+    """Which keys each query of the chunk may read: (b, q, n) bool, from the (b, 1, q, n) mask the model's
+    attention receives (bool or additive float), or causal over the chunk with everything before visible (None)."""
+    if mask is None:
+        causal = torch.arange(n, device=device)[None, :] <= (n - q + torch.arange(q, device=device))[:, None]
+        return causal[None].expand(b, q, n)
+    return as_bool_mask(mask)[:, 0, :, :n]
 
 
 @functools.lru_cache(maxsize=4)
