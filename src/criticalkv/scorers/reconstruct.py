@@ -160,7 +160,7 @@ class MaxAttentionProbe:
         no softmax of its own (a weight is exp(logit - log-sum-exp), and exp is monotonic: one exp per entry).
         Elsewhere ``base`` runs and the probe recomputes the softmax over the whole cache (``__call__``).
         """
-        if not (sdpa and query.device.type == "cpu" and query.dtype in _FUSED_CPU_DTYPES):
+        if not (sdpa and query.device.type == "cpu" and query.dtype in _FUSED_CPU_DTYPES and _FUSED_CPU_KERNEL):
             out = base()
             self(module, query, keys, mask, scaling)
             return out
@@ -233,6 +233,9 @@ class MaxAttentionProbe:
 
 
 _FUSED_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# torch's CPU kernel behind scaled_dot_product_attention, which also returns the log-sum-exp (a private operator:
+# where a torch lacks it, the probe computes the softmax itself, with the same result)
+_FUSED_CPU_KERNEL = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 
 def _allowed(mask: torch.Tensor | None, b: int, q: int, n: int, device: torch.device) -> torch.Tensor:
