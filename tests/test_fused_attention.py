@@ -253,6 +253,18 @@ def _layer_with_lengths(lengths: torch.Tensor, tail: int, d: int = 4) -> Compres
     return layer
 
 
+def test_segments_path_with_empty_segments_row_blocks_and_float64(monkeypatch):
+    """Zero-length segments, many blocks of query rows, a padded tail, float64 kept as float64: masked dense."""
+    monkeypatch.setattr(attention_module, "SEGMENT_BLOCK_ELEMENTS", 5)  # a block of one query row
+    gen = torch.Generator().manual_seed(21)
+    lengths = torch.tensor([[0, 5, 3], [2, 0, 7]])
+    case = make_case(2, 3, 2, 12, 4, 3, previous=2, gen=gen, lengths=lengths, padded_tail=True, dtype=torch.float64)
+    layer, query, tail_keys, tail_values, tail_mask, want = case
+    got = run_path("segments", layer, query, tail_keys, tail_values, tail_mask)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_auto_is_uniform_when_every_segment_keeps_the_same_count():
     query = torch.randn(2, 4, 1, 64)
     mask = torch.ones(2, 1, 1, 1, dtype=torch.bool)

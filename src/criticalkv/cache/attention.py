@@ -41,6 +41,8 @@ BASE_IMPLEMENTATIONS = ("sdpa", "eager")
 MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}
 
 
+#: Attention inputs some models pass beyond the mask and scaling (softcapping, attention sinks, a position bias).
+_EXTRA_ATTENTION_INPUTS = ("softcap", "s_aux", "sinks", "position_bias")
 #: Logits of one block of query rows in ``segment_attention`` (float32 elements: 16 MiB).
 SEGMENT_BLOCK_ELEMENTS = 2**22
 
@@ -63,32 +65,34 @@ def segment_attention(
     query (b, h_q, q, d); tail_keys, tail_values (b, h_kv, tail, d); tail_mask (b, 1, q, tail) bool, True where
     a query may read a tail entry (every query reads the whole context). Returns (b, q, h_q, d), the layout
     transformers' attention functions return. The G query heads of a KV head are folded into the query axis, so
-    keys are never repeated. Each segment's logits come from its slice of the flat context and the tail's from
-    one batched product; softmax and products run in float32 (as SDPA accumulates), blocks of query rows bounding
+    keys are never repeated. Each segment's logits come from its slice of the flat context and its tail; softmax
+    and products run in float32 (as SDPA accumulates; float64 for float64 inputs), blocks of query rows bounding
     the logits to ``SEGMENT_BLOCK_ELEMENTS``. A query that reads nothing gets zeros, as from SDPA.
     """
     b, h_q, q, d = query.shape
     h_kv = layer.lengths.shape[1]
     g, tail, segments = h_q // h_kv, tail_keys.shape[2], b * h_kv
-    folded = query.reshape(segments, g * q, d).float() * scaling  # (S, G*q, d): query heads of a KV head adjacent
-    tail_k = tail_keys.reshape(segments, tail, d).float()
-    tail_v = tail_values.reshape(segments, tail, d).float()
-    tail_logits = torch.bmm(folded, tail_k.transpose(1, 2))  # (S, G*q, tail)
+    exact = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 for float64 inputs
+    folded = query.reshape(segments, g * q, d).to(exact) * scaling  # (S, G*q, d): a KV head's query heads adjacent
+    tail_k = tail_keys.reshape(segments, tail, d).to(exact)
+    tail_v = tail_values.reshape(segments, tail, d).to(exact)
+    readable = None  # (b, G*q, tail) bool where some query may not read some tail entry
     if not bool(tail_mask.all()):
-        readable = tail_mask[:, :, None].expand(b, 1, g, q, tail).reshape(b, 1, g * q, tail)
-        tail_logits = tail_logits.view(b, h_kv, g * q, tail).masked_fill(~readable, float("-inf"))
-        tail_logits = tail_logits.view(segments, g * q, tail)
+        readable = tail_mask[:, 0, None].expand(b, g, q, tail).reshape(b, g * q, tail)
     offsets = layer.offsets().tolist()
     context_keys, context_values = layer.context_keys, layer.context_values
     out = folded.new_empty(segments, g * q, d)
     for segment in range(segments):
         start, end = offsets[segment], offsets[segment + 1]
-        keys = context_keys[start:end].float()  # (n, d): a view in float32, a copy otherwise
-        values = context_values[start:end].float()
+        keys = context_keys[start:end].to(exact)  # (n, d): a view in that dtype, a copy otherwise
+        values = context_values[start:end].to(exact)
         step = max(1, SEGMENT_BLOCK_ELEMENTS // max(end - start + tail, 1))
         for row in range(0, g * q, step):
             rows = slice(row, row + step)
-            logits = torch.cat([folded[segment, rows] @ keys.T, tail_logits[segment, rows]], dim=1)  # (r, n + tail)
+            tail_logits = folded[segment, rows] @ tail_k[segment].T  # (r, tail)
+            if readable is not None:
+                tail_logits.masked_fill_(~readable[segment // h_kv, rows], float("-inf"))
+            logits = torch.cat([folded[segment, rows] @ keys.T, tail_logits], dim=1)  # (r, n + tail)
             weights = torch.softmax(logits, dim=-1)
             if end == start:  # without context a query may read nothing: zeros, not NaN
                 weights = weights.nan_to_num(0.0)
@@ -152,7 +156,9 @@ def criticalkv_attention(
 
         probe = compressor.attention_probe
         if layer is not None and probe is not None:  # collection mode: the output as the model's own
-            sdpa = compressor.base_implementation == "sdpa" and not dropout
+            # the probe's own SDPA call takes the mask and scaling only: anything more goes to the model's function
+            plain = not dropout and all(kwargs.get(name) is None for name in _EXTRA_ATTENTION_INPUTS)
+            sdpa = compressor.base_implementation == "sdpa" and plain
             out, weights = probe.attend(module, query, key, value, attention_mask, scaling, run_base, sdpa)
         else:
             out, weights = run_base()
