@@ -79,6 +79,20 @@ def segment_attention(
     readable = None  # (b, G*q, tail) bool where some query may not read some tail entry
     if not bool(tail_mask.all()):
         readable = tail_mask[:, 0, None].expand(b, g, q, tail).reshape(b, g * q, tail)
+
+    every_tail = None  # (S, G*q, tail): every tail's logits at once, when small (a decode step)
+    if segments * g * q * tail <= SEGMENT_BLOCK_ELEMENTS:
+        every_tail = torch.bmm(folded, tail_k.transpose(1, 2))
+        if readable is not None:
+            every_tail = every_tail.view(b, h_kv, g * q, tail).masked_fill_(~readable[:, None], float("-inf"))
+        every_tail = every_tail.view(segments, g * q, tail)
+
+    def tail_logits(segment: int, rows: slice) -> torch.Tensor:  # (r, tail)
+        if every_tail is not None:
+            return every_tail[segment, rows]
+        logits = folded[segment, rows] @ tail_k[segment].T
+        return logits if readable is None else logits.masked_fill_(~readable[segment // h_kv, rows], float("-inf"))
+
     offsets = layer.offsets().tolist()
     context_keys, context_values = layer.context_keys, layer.context_values
     out = folded.new_empty(segments, g * q, d)
@@ -89,10 +103,7 @@ def segment_attention(
         step = max(1, SEGMENT_BLOCK_ELEMENTS // max(end - start + tail, 1))
         for row in range(0, g * q, step):
             rows = slice(row, row + step)
-            tail_logits = folded[segment, rows] @ tail_k[segment].T  # (r, tail)
-            if readable is not None:
-                tail_logits.masked_fill_(~readable[segment // h_kv, rows], float("-inf"))
-            logits = torch.cat([folded[segment, rows] @ keys.T, tail_logits], dim=1)  # (r, n + tail)
+            logits = torch.cat([folded[segment, rows] @ keys.T, tail_logits(segment, rows)], dim=1)  # (r, n + tail)
             weights = torch.softmax(logits, dim=-1)
             if end == start:  # without context a query may read nothing: zeros, not NaN
                 weights = weights.nan_to_num(0.0)
