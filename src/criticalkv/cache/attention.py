@@ -60,7 +60,7 @@ def segment_attention(
     tail_mask: torch.Tensor,
     scaling: float,
 ) -> torch.Tensor:
-    """Attention of a compressed layer, segment by segment, over views of its stored entries (nothing copied).
+    """Attention of a compressed layer, segment by segment, over views of its stored entries (in float32: no copy).
 
     query (b, h_q, q, d); tail_keys, tail_values (b, h_kv, tail, d); tail_mask (b, 1, q, tail) bool, True where
     a query may read a tail entry (every query reads the whole context). Returns (b, q, h_q, d), the layout
