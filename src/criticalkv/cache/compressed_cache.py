@@ -28,8 +28,8 @@ def release_views(layers, slack: float = 0.0) -> None:
     """Copy each transformers layer's keys and values that are views of a larger storage (a sliding layer's window,
     sliced from the prompt's keys by ``update`` and ``crop``), so that storage is freed: (b, h_kv, w, d) each.
 
-    ``slack``: leave a view whose storage exceeds it by at most this fraction of the view (a copy then frees at
-    least ``slack / (1 + slack)`` of what it reads: a full cache cropped back after a short answer is left as is).
+    ``slack``: leave a view whose storage exceeds it by at most this fraction of the view (a copy then frees more
+    than ``slack`` times the bytes it copies: a full cache cropped back after a short answer is left as is).
     """
     for layer in layers:
         if isinstance(layer, CompressedLayer) or not getattr(layer, "is_initialized", False):

@@ -20,7 +20,7 @@ from criticalkv.runtime.compressor import Compressor
 from criticalkv.runtime.method import Method
 
 #: ``rewind`` copies a transformers layer cropped back to the context only when the storage it keeps holds more
-#: than this fraction on top of the context: the copy then frees at least a ninth of what it reads.
+#: than this fraction on top of the context: the copy then frees more than an eighth of the bytes it copies.
 REWIND_SLACK = 0.125
 
 
