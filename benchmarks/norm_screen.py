@@ -1,8 +1,10 @@
-"""What CriticalKV's value-norm screen recomputes in float32, what it saves, and that it keeps the same entries.
+"""What CriticalKV's value-norm screen computes in float32, what it saves, and that it keeps the same entries.
 
 For each method, one prefill of the needle prompt with the screen (the default) and one without (``screen=false``,
-every float32 norm): the entries per layer the screen could not settle from the bfloat16 norms' bound (counted by
-wrapping ``norm_screen._settled``), each prefill's compression CPU time, and whether the two caches are identical.
+every float32 norm): the entries per layer whose float32 norm the screen computed (counted by wrapping
+``norm_screen._rank_exactly``; with the bfloat16 bracket the entries its bound could not settle, with the l2 one
+also its first round), each prefill's compression CPU time, and whether the two caches are identical. Which
+bracket runs depends on the values' dtype (``--dtype``) and the CPU (``norm_screen.screen_kind``).
 
     OMP_NUM_THREADS=1 python benchmarks/norm_screen.py --model qwen2.5-0.5b --tokens 4096 --threads 1 \
         --out results/norm_screen_qwen.json
@@ -20,6 +22,7 @@ import torch
 from criticalkv.eval.needle import needle_prompt_ids
 from criticalkv.models.presets import load_model
 from criticalkv.runtime.session import ContextSession
+from criticalkv.selectors import critical as critical_module
 from criticalkv.selectors import norm_screen
 
 
@@ -29,24 +32,40 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--budget", default="0.2")
     parser.add_argument("--methods", default="critical-snapkv,critical-adakv")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="screened and unscreened prefills per method, alternating (medians)"
+    )
+    parser.add_argument("--dtype", default="auto", help="the model's dtype: auto (its own), float32, bfloat16, ...")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=Path("results/norm_screen.json"))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
     ids = torch.tensor([needle_prompt_ids(tokenizer, args.tokens)])
-    unsettled: list[int] = []  # per screened layer: candidates neither surely in nor surely out
-    settled = norm_screen._settled
+    computed: list[int] = []  # per screened layer: the entries whose float32 norm the screen computed
+    kinds: set[str | None] = set()
+    rank_exactly, screened_top, screen_kind = (
+        norm_screen._rank_exactly,
+        critical_module.take_top_by_value_norm,
+        critical_module.screen_kind,
+    )
 
-    def counting(low: torch.Tensor, high: torch.Tensor, need: torch.Tensor, k: int):
-        sure_in, sure_out = settled(low, high, need, k)
-        candidates = low > float("-inf")
-        unsettled.append(int((candidates & ~sure_in & ~sure_out).sum()))
-        return sure_in, sure_out
+    def counting(ranking, done, wanted, *rest) -> None:
+        computed[-1] += int(wanted.sum())
+        rank_exactly(ranking, done, wanted, *rest)
 
-    norm_screen._settled = counting
+    def per_layer(*args, **kwargs):
+        computed.append(0)
+        return screened_top(*args, **kwargs)
+
+    def noting(values: torch.Tensor) -> str | None:
+        kinds.add(screen_kind(values))
+        return screen_kind(values)
+
+    norm_screen._rank_exactly, critical_module.take_top_by_value_norm = counting, per_layer
+    critical_module.screen_kind = noting
     ContextSession(model, "full", args.budget).prefill(ids)  # warm-up
     report = {
         "command": "python benchmarks/norm_screen.py "
@@ -55,14 +74,19 @@ def main() -> None:
         "methods": {},
     }
     for spec in args.methods.split(","):
-        unsettled.clear()
-        screened = ContextSession(model, spec, args.budget)
-        screened.prefill(ids)
-        counts = list(unsettled)
-        reference = ContextSession(model, f"{spec}:screen=false", args.budget)
-        reference.prefill(ids)
+        times: dict[str, list[float]] = {"screened": [], "unscreened": []}
+        for _ in range(args.repeats):  # the first screened prefill also derives the brackets' factors of each weight
+            computed.clear()
+            kinds.clear()
+            screened = ContextSession(model, spec, args.budget)
+            screened.prefill(ids)
+            counts = list(computed)
+            reference = ContextSession(model, f"{spec}:screen=false", args.budget)
+            reference.prefill(ids)
+            times["screened"].append(screened.compressor.compress_cpu_seconds)
+            times["unscreened"].append(reference.compressor.compress_cpu_seconds)
         if not counts:
-            raise SystemExit(f"{spec}: the screen did not run (values not bfloat16, or no native bfloat16 products)")
+            raise SystemExit(f"{spec}: the screen did not run (brackets {kinds}: see norm_screen.screen_kind)")
         identical = all(
             torch.equal(a.context_keys, b.context_keys)
             and torch.equal(a.context_values, b.context_values)
@@ -70,18 +94,22 @@ def main() -> None:
             for a, b in zip(screened.cache.layers, reference.cache.layers, strict=True)
         )
         row = {
-            "unsettled_per_layer": counts,
+            "bracket": sorted(kinds - {None}),
+            "computed_per_layer": counts,
             "entries_per_layer": int(ids.shape[1]) * model.config.num_key_value_heads,
-            "compression_cpu_seconds": screened.compressor.compress_cpu_seconds,
-            "compression_cpu_seconds_unscreened": reference.compressor.compress_cpu_seconds,
+            "compression_cpu_seconds": statistics.median(times["screened"]),
+            "compression_cpu_seconds_unscreened": statistics.median(times["unscreened"]),
+            "compression_cpu_seconds_each": times,
             "identical_caches": identical,
         }
         report["methods"][spec] = row
         median = statistics.median(counts)
         print(
-            f"{spec}: unsettled per layer median {median:.0f} (min {min(counts)}, max {max(counts)}) "
+            f"{spec} ({', '.join(row['bracket'])} bracket): float32 norms computed per layer median {median:.0f} "
+            f"(min {min(counts)}, max {max(counts)}) "
             f"of {row['entries_per_layer']}; compression {row['compression_cpu_seconds']:.2f} CPU s screened, "
-            f"{row['compression_cpu_seconds_unscreened']:.2f} unscreened; identical caches: {identical}"
+            f"{row['compression_cpu_seconds_unscreened']:.2f} unscreened (median of {args.repeats}); "
+            f"identical caches: {identical}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

@@ -1,5 +1,6 @@
-"""The bfloat16 screen of CriticalKV's float32 value norms: its error bound holds, and the screened stage 2 chooses
-what stage 2 with every float32 norm chooses (the reference), with and without entries the screen cannot settle."""
+"""The screen of CriticalKV's float32 value norms: its two brackets (bfloat16 norms with an error bound, an upper
+bound from the l2 norm) hold, and the screened stage 2 chooses what stage 2 with every float32 norm chooses (the
+reference), with and without entries the screen cannot settle."""
 
 from __future__ import annotations
 
@@ -65,9 +66,38 @@ def test_bfloat16_norms_lie_within_the_screen_bound(seed, h_kv, g, d, hidden, sp
     values, weight = _bf16_layer(gen, 2, h_kv, g, 40, d, hidden, spread)
     exact = projected_value_norm(values, weight)  # float32 products
     rough = projected_value_norm(values, weight, compute_dtype=None)  # bfloat16 products
-    bound_rough, slack = norm_screen.norm_bounds(values, weight)
-    assert torch.equal(bound_rough, rough)
-    assert bool(((rough - exact).abs() <= slack).all())
+    low, high = norm_screen.norm_bounds(values, weight)
+    assert bool((low <= exact).all()) and bool((exact <= high).all())
+    assert bool((low <= rough).all()) and bool((rough <= high).all())
+    torch.testing.assert_close((low + high) / 2, rough)  # centred on the bfloat16 norms
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    h_kv=st.integers(1, 3),
+    g=st.integers(1, 4),
+    d=st.sampled_from([4, 16, 64]),
+    hidden=st.integers(2, 96),
+    spread=st.floats(0.0, 12.0),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+)
+def test_l2_bracket_holds_and_is_the_l2_norm_bound(seed, h_kv, g, d, hidden, spread, dtype):
+    """Every float32 norm lies below the l2 bracket's upper bound, which is sqrt(hidden) ||V W^g||_2 (in float64,
+    from the weight itself rather than its Gram factor) averaged over the group, up to its rounding slack; also with
+    hidden < d (a Gram matrix of rank hidden), zero rows and values over 12 orders of magnitude."""
+    gen = torch.Generator().manual_seed(seed)
+    values, weight = _bf16_layer(gen, 2, h_kv, g, 40, d, hidden, spread)
+    values, weight = values.to(dtype), weight.to(dtype)
+    exact = projected_value_norm(values, weight)  # (2, h_kv, 40)
+    low, high = norm_screen.l2_norm_bounds(values, weight)
+    assert bool((low == 0).all()) and bool((exact <= high).all())
+    heads = weight.double().view(hidden, h_kv, g, d).permute(1, 2, 3, 0)  # (h_kv, G, d, hidden)
+    l2 = torch.einsum("bhtd,hgdn->bhgtn", values.double(), heads).norm(dim=-1)  # (2, h_kv, G, 40)
+    reference = math.sqrt(hidden) * l2.mean(2)
+    frobenius = heads.flatten(2).norm(dim=-1).mean(1)  # (h_kv,) the group's mean ||W^g||_F
+    slack = 4 * (2 * d + 1) * 2.0**-24 * math.sqrt(hidden) * values.double().norm(dim=-1) * frobenius[:, None]
+    assert bool((high.double() <= reference * (1 + 1e-4) + slack + 1e-30).all())
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -79,12 +109,17 @@ def test_bfloat16_norms_lie_within_the_screen_bound(seed, h_kv, g, d, hidden, sp
     t=st.integers(1, 48),
     levels=st.sampled_from([0, 3, 1000]),
     loose=st.booleans(),
+    kind=st.sampled_from(["bfloat16", "l2"]),
+    first=st.integers(0, 60),
 )
-def test_screened_stage2_chooses_what_float32_norms_choose(seed, b, h_kv, g, t, levels, loose):
-    """Against ``take_top`` over every float32 norm; ``levels`` quantises the weights (0: all equal, so the norms
-    alone decide; 3: many ties), ``loose`` widens the bound until nothing is settled (every entry recomputed)."""
+def test_screened_stage2_chooses_what_float32_norms_choose(seed, b, h_kv, g, t, levels, loose, kind, first):
+    """Against ``take_top`` over every float32 norm, with either bracket (the l2 one on float32 values) and any
+    first round; ``levels`` quantises the weights (0: all equal, so the norms alone decide; 3: many ties), ``loose``
+    widens the bfloat16 bound until nothing is settled (every entry recomputed)."""
     gen = torch.Generator().manual_seed(seed)
     values, weight = _bf16_layer(gen, b, h_kv, g, t, 8, 24, 4.0)
+    if kind == "l2":
+        values = values.float() * (1 + 0.01 * torch.rand(values.shape, generator=gen))  # float32 values
     weights = torch.rand(b, h_kv, t, generator=gen)
     weights = (weights * levels).floor() / max(levels, 1) + 1e-4 if levels else torch.ones(b, h_kv, t)
     valid = _left_padded(b, t, gen)
@@ -93,38 +128,43 @@ def test_screened_stage2_chooses_what_float32_norms_choose(seed, b, h_kv, g, t, 
     exact = weights * projected_value_norm(values, weight)  # (b, h_kv, t)
     want = take_top(exact, keep, valid, need)
     with mock.patch.object(norm_screen, "REL", 1.0 if loose else norm_screen.REL):
-        bounds = norm_screen.norm_bounds(values, weight)
-        got = norm_screen.take_top_by_value_norm(weights, bounds, values, weight, keep, valid, need)
+        bounds = norm_screen.BRACKETS[kind](values, weight)
+        got = norm_screen.take_top_by_value_norm(weights, bounds, values, weight, keep, valid, need, first=first)
     assert torch.equal(got.sum(-1), want.sum(-1))
     assert bool((got >= keep).all())
     assert _chosen_scores(got, exact) == _chosen_scores(want, exact)
 
 
-def _bf16_view(b: int, h_kv: int, g: int, t: int, d: int, hidden: int, seed: int, device: str = "cpu") -> LayerView:
+def _bf16_view(
+    b: int, h_kv: int, g: int, t: int, d: int, hidden: int, seed: int, device: str = "cpu", dtype=torch.bfloat16
+) -> LayerView:
+    """A layer's view in ``dtype`` (bfloat16 numbers either way)."""
     gen = torch.Generator().manual_seed(seed)
     values, weight = _bf16_layer(gen, b, h_kv, g, t, d, hidden, 3.0, zeros=False)  # no ties: masks compare
     query = torch.randn(b, h_kv * g, t, d, generator=gen).bfloat16()
     keys = torch.randn(b, h_kv, t, d, generator=gen).bfloat16()
     valid = _left_padded(b, t, gen)
-    tensors = [x.to(device) for x in (query, keys, values, valid)]
-    return LayerView(_Attn(weight).to(device), *tensors, 1.0 / math.sqrt(d))
+    tensors = [x.to(device, dtype) if x.is_floating_point() else x.to(device) for x in (query, keys, values, valid)]
+    return LayerView(_Attn(weight.to(dtype)).to(device), *tensors, 1.0 / math.sqrt(d))
 
 
 @pytest.mark.parametrize("stage2", ["scores", "unpooled"])
-def test_critical_selector_screened_equals_unscreened(stage2, monkeypatch):
-    """The selector with the screen (forced on, whatever this CPU does in bfloat16) keeps the very entries it keeps
-    with every float32 norm, on a padded batch with per-head budgets."""
+@pytest.mark.parametrize("kind", ["bfloat16", "l2"])
+def test_critical_selector_screened_equals_unscreened(stage2, kind, monkeypatch):
+    """The selector with either bracket (the bfloat16 one forced on, whatever this CPU does in bfloat16; the l2 one
+    on float32 values) keeps the very entries it keeps with every float32 norm, on a padded batch with per-head
+    budgets."""
     calls = []
     screened = norm_screen.take_top_by_value_norm
-    monkeypatch.setattr(critical_module, "screens", lambda values: True)
+    monkeypatch.setattr(critical_module, "screen_kind", lambda values: kind)
     monkeypatch.setattr(critical_module, "take_top_by_value_norm", lambda *a: calls.append(1) or screened(*a))
     b, h_kv, t = 3, 2, 96
     for seed in range(4):
-        view = _bf16_view(b, h_kv, 3, t, 16, 40, seed)
+        view = _bf16_view(b, h_kv, 3, t, 16, 40, seed, dtype=torch.bfloat16 if kind == "bfloat16" else torch.float32)
         scores = torch.rand(b, h_kv, t, generator=torch.Generator().manual_seed(seed)) ** 4
         protected = torch.zeros(b, t, dtype=torch.bool)
         protected[:, -8:] = True
-        budgets = torch.randint(1, t, (b, h_kv), generator=torch.Generator().manual_seed(50 + seed))
+        budgets = torch.randint(1, t // 3, (b, h_kv), generator=torch.Generator().manual_seed(50 + seed))
         kwargs = dict(stage2=stage2, window=8, kernel=3)
         got = CriticalSelector(**kwargs).select(scores, budgets, protected, view)
         want = CriticalSelector(screen=False, **kwargs).select(scores, budgets, protected, view)
@@ -132,34 +172,55 @@ def test_critical_selector_screened_equals_unscreened(stage2, monkeypatch):
     assert len(calls) == 4
 
 
-def test_screen_is_skipped_where_it_cannot_pay(monkeypatch):
-    """float32 values, ``norm_dtype="model"``, per-head norms and norms another method already computed for the view
-    all take the unscreened path."""
-    monkeypatch.setattr(critical_module, "screens", norm_screen.screens)
+def test_each_bracket_runs_where_it_pays_and_none_elsewhere(monkeypatch):
+    """bfloat16 values on a CPU that multiplies them natively take the bfloat16 bracket, other values on a CPU the l2
+    one, unless float32 products may be rounded (``torch.set_float32_matmul_precision``); ``norm_dtype="model"``,
+    per-head norms and norms another method already computed for the view take the unscreened path, and so does
+    a budget whose first round would hold more than a third of a head's entries."""
     view = _bf16_view(1, 2, 2, 32, 8, 16, seed=0)
-    assert not norm_screen.screens(view.values.float())
-    assert norm_screen.screens(view.values) == norm_screen.cpu_multiplies_bfloat16()
-    monkeypatch.setattr(critical_module, "screens", lambda values: True)
-    assert CriticalSelector()._screens(view)
-    assert not CriticalSelector(screen=False)._screens(view)
-    assert not CriticalSelector(norm_dtype="model")._screens(view)
-    assert not CriticalSelector(value_norm="per_head")._screens(view)
-    view.remember(("value_norm", torch.float32), lambda: projected_value_norm(view.values, view.o_proj_weight))
-    assert not CriticalSelector()._screens(view)
-
-
-def test_screen_bounds_are_computed_once_per_view(monkeypatch):
-    """A prefill compressed for several budgets (a sweep) computes the bfloat16 norms and their bound once."""
+    native = norm_screen.cpu_multiplies_bfloat16()
+    assert norm_screen.screen_kind(view.values) == ("bfloat16" if native else "l2")
+    assert norm_screen.screen_kind(view.values.float()) == "l2"
+    assert norm_screen.screen_kind(view.values.double()) == "l2"
+    precision = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        assert norm_screen.screen_kind(view.values.float()) is None
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    monkeypatch.setattr(critical_module, "screen_kind", lambda values: "l2")
+    assert CriticalSelector()._screen(view) == "l2"
+    assert CriticalSelector(screen=False)._screen(view) is None
+    assert CriticalSelector(norm_dtype="model")._screen(view) is None
+    assert CriticalSelector(value_norm="per_head")._screen(view) is None
+    assert norm_screen.first_round("l2", 6, 32) == 9 and norm_screen.first_round("l2", 8, 32) is None
+    assert norm_screen.first_round("bfloat16", 30, 32) == 0
     calls = []
-    bounds = norm_screen.norm_bounds
-    monkeypatch.setattr(critical_module, "screens", lambda values: True)
-    monkeypatch.setattr(critical_module, "norm_bounds", lambda *a: calls.append(1) or bounds(*a))
-    view = _bf16_view(2, 2, 2, 64, 8, 24, seed=3)
+    monkeypatch.setattr(critical_module, "take_top_by_value_norm", lambda *a: calls.append(a[-1]))
+    protected = torch.zeros(1, 32, dtype=torch.bool)
+    scores = torch.rand(1, 2, 32, generator=torch.Generator().manual_seed(1))
+    # stage 2's need 6 at budget 12 (a first round of 9 <= 32 / 3: screened, by the stand-in that returns nothing),
+    # 7 at budget 13 (a first round of 11: every norm computed)
+    got = [CriticalSelector().select(scores, torch.full((1, 2), n), protected, view) for n in (12, 13)]
+    assert calls == [9] and got[0] is None
+    assert torch.equal(got[1], CriticalSelector(screen=False).select(scores, torch.full((1, 2), 13), protected, view))
+    view.remember(("value_norm", torch.float32), lambda: projected_value_norm(view.values, view.o_proj_weight))
+    assert CriticalSelector()._screen(view) is None
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "l2"])
+def test_screen_bounds_are_computed_once_per_view(kind, monkeypatch):
+    """A prefill compressed for several budgets (a sweep) computes a bracket once."""
+    calls = []
+    bounds = norm_screen.BRACKETS[kind]
+    monkeypatch.setattr(critical_module, "screen_kind", lambda values: kind)
+    monkeypatch.setitem(norm_screen.BRACKETS, kind, lambda *a: calls.append(1) or bounds(*a))
+    view = _bf16_view(2, 2, 2, 64, 8, 24, seed=3, dtype=torch.bfloat16 if kind == "bfloat16" else torch.float32)
     scores = torch.rand(2, 2, 64, generator=torch.Generator().manual_seed(4))
     protected = torch.zeros(2, 64, dtype=torch.bool)
-    got = [CriticalSelector().select(scores, torch.full((2, 2), n), protected, view) for n in (6, 13, 40)]
+    got = [CriticalSelector().select(scores, torch.full((2, 2), n), protected, view) for n in (6, 13, 20)]
     assert len(calls) == 1
-    for n, mask in zip((6, 13, 40), got, strict=True):
+    for n, mask in zip((6, 13, 20), got, strict=True):
         assert torch.equal(mask, CriticalSelector(screen=False).select(scores, torch.full((2, 2), n), protected, view))
 
 
@@ -177,14 +238,15 @@ def test_screen_on_cuda_chooses_what_float32_norms_choose():
         protected[:, -32:] = True
         budgets = torch.full((b, h_kv), t // 5, device="cuda")
         got = CriticalSelector().select(scores, budgets, protected, view)
-        assert "value_norm_bounds" in view.memo
+        assert ("value_norm_bounds", "bfloat16") in view.memo
         want = CriticalSelector(screen=False).select(scores, budgets, protected, view)
         assert torch.equal(got, want), seed
 
 
 def test_weight_row_sums_are_computed_once_per_weight_and_again_when_it_changes():
-    """The bound's |W| row sums are kept per o_proj weight across prefills: the same tensor while the weight is
-    unchanged, computed anew after an in-place change or new storage (``module.to``), forgotten with the weight."""
+    """The brackets' |W| row sums and QR factors are kept per o_proj weight across prefills: the same tensors while
+    the weight is unchanged, computed anew after an in-place change or new storage (``module.to``), forgotten with
+    the weight."""
     import gc
 
     def direct(w: torch.Tensor) -> torch.Tensor:
@@ -193,17 +255,20 @@ def test_weight_row_sums_are_computed_once_per_weight_and_again_when_it_changes(
     layer = nn.Linear(24, 8, bias=False)
     w = layer.weight
     first = norm_screen._abs_row_sums(w, 2, 4)
+    factors = norm_screen._l2_factors(w, 2, 4)
     assert torch.equal(first, direct(w)) and norm_screen._abs_row_sums(w, 2, 4) is first
+    assert norm_screen._l2_factors(w, 2, 4) is factors
     with torch.no_grad():
         w.mul_(-2.0)
     changed = norm_screen._abs_row_sums(w, 2, 4)
     assert changed is not first and torch.equal(changed, direct(w))
+    assert norm_screen._l2_factors(w, 2, 4) is not factors
     layer.to(torch.float64)  # module.to swaps the parameter's storage
     assert torch.equal(norm_screen._abs_row_sums(layer.weight, 2, 4), direct(layer.weight))
     with torch.inference_mode():
         frozen = torch.randn(8, 24)
     assert torch.equal(norm_screen._abs_row_sums(frozen, 2, 4), direct(frozen))
-    held = len(norm_screen._ROW_SUMS)
+    held = len(norm_screen._DERIVED)
     del layer, w
     gc.collect()
-    assert len(norm_screen._ROW_SUMS) == held - 1
+    assert len(norm_screen._DERIVED) == held - 1

@@ -11,7 +11,7 @@ import torch
 from criticalkv.scorers.base import LayerView
 from criticalkv.scorers.snapkv import AGGREGATES, window_head_scores
 from criticalkv.selectors.base import add_top, keep_protected, largest, open_places, take_top
-from criticalkv.selectors.norm_screen import norm_bounds, screens, take_top_by_value_norm
+from criticalkv.selectors.norm_screen import BRACKETS, first_round, screen_kind, take_top_by_value_norm
 from criticalkv.selectors.value_norm import projected_value_norm
 
 STAGE2_ATTENTION = ("scores", "unpooled")
@@ -46,10 +46,11 @@ class CriticalSelector:
         ``"per_head"``: the group mean of the per-query-head products ``(A_g + eps) * ||V W_O^g||_1``, with A_g
         the window's attention of query head g (an ablation).
     screen
-        With float32 norms of bfloat16 values on a device with native bfloat16 products, compute the norms in
-        bfloat16 first with a bound on their error and in float32 only for the entries the bound cannot settle
-        (``selectors/norm_screen.py``): the same choice as the float32 norms everywhere, at about the cost of the
-        bfloat16 ones. False computes every float32 norm (the reference, and the timing baseline).
+        With float32 norms, bracket every norm between cheap bounds and compute the float32 norm only for the
+        entries the brackets cannot settle (``selectors/norm_screen.py``): with bfloat16 values on a device with
+        native bfloat16 products, the norms from bfloat16 products and their error bound; elsewhere on a CPU, an
+        upper bound from the norm in l2 (budgets up to about 0.4 of a head's entries). The same choice as the
+        float32 norms everywhere. False computes every float32 norm (the reference, and the timing baseline).
     window, kernel, aggregate
         The observation window the ablations read A from: its last ``window`` queries, pooled with ``kernel``
         (not with ``stage2="unpooled"``), reduced over the queries by ``aggregate`` (``"mean"`` or ``"max"``).
@@ -101,23 +102,26 @@ class CriticalSelector:
             ("critical start", self.alpha), (budgets, protected), start
         )
         keep = add_top(scores, keep, open1, need1, k1)
-        if self._screens(view):
+        kind = self._screen(view)
+        first = None if kind is None else first_round(kind, k2, view.values.shape[2])
+        if first is not None:
             weights = self._stage2_attention(scores, view) + self.eps  # (b, h_kv, t)
-            bounds = view.remember("value_norm_bounds", lambda: norm_bounds(view.values, view.o_proj_weight))
             o_proj = view.o_proj_weight
-            return take_top_by_value_norm(weights, bounds, view.values, o_proj, keep, view.valid, need2, k2)
+            bounds = view.remember(("value_norm_bounds", kind), lambda: BRACKETS[kind](view.values, o_proj))
+            return take_top_by_value_norm(weights, bounds, view.values, o_proj, keep, view.valid, need2, k2, first)
         return take_top(self.stage2_scores(scores, view), keep, view.valid, need2, k2)
 
-    def _screens(self, view: LayerView) -> bool:
-        """Whether stage 2 screens the float32 norms (``screen``), unless another method already computed them (the
-        bounds are shared the same way: one prefill compressed for several budgets computes them once)."""
-        return (
+    def _screen(self, view: LayerView) -> str | None:
+        """The bracket stage 2 screens the float32 norms with (``screen``; ``norm_screen.screen_kind``), None when
+        it computes them all: unless another method already computed them (the brackets are shared the same way:
+        one prefill compressed for several budgets computes them once)."""
+        screened = (
             self.screen
             and self.norm_dtype == "float32"
             and self.value_norm == "group_mean"
             and ("value_norm", torch.float32) not in view.memo
-            and screens(view.values)
         )
+        return screen_kind(view.values) if screened else None
 
     def _stage2_attention(self, scores: torch.Tensor, view: LayerView) -> torch.Tensor:
         """The attention A of ``(A + eps) * N`` with group-mean norms: (b, h_kv, t) float32."""

@@ -1,15 +1,27 @@
 """Stage 2 of CriticalKV with float32 value norms, computed in full only where they decide the choice.
 
 The projected value norm ``N_i = ||V_i W_O||_1`` is the costly part of CriticalKV's selection: a (t, d) x (d, G*hidden)
-product per KV head. In bfloat16 products it costs about half as much as in float32 (CPUs with AVX512-BF16 or AMX,
-GPUs), but rounds every product to 8 significant bits. The screen computes the bfloat16 norms with a bound on their
-distance to the float32 ones, settles every entry whose interval lies clearly above or below the budget's threshold,
-and recomputes in float32 only the few it cannot settle. The chosen set is the float32 selection's.
+product per KV head. A screen brackets every norm between cheap bounds, settles every entry whose interval lies
+clearly above or below the budget's threshold, and computes the float32 norm only for the entries it cannot settle.
+The chosen set is the float32 selection's. Two brackets:
+
+* ``"bfloat16"``: the norms from bfloat16 products, within a bound of the float32 ones. In bfloat16 products the
+  norms cost about half as much as in float32 where a device multiplies bfloat16 natively (CPUs with AVX512-BF16 or
+  AMX, GPUs), and the bound (about 2^-7 of the norm) settles all but a few entries.
+* ``"l2"`` (a CPU elsewhere): ``||x||_1 <= sqrt(hidden) ||x||_2``, and ``||V_i W^g||_2 = ||V_i F_g||_2`` for any
+  ``F_g F_g^T = W^g W^g^T`` (from an eigendecomposition, once per weight): an upper bound from a (t, d) x (d, d)
+  product per query head, hidden/d times cheaper than the norm, about 1.3 times the norm on real models. An upper
+  bound alone settles nothing until some norms are known: the screen first computes the float32 norm of each head's
+  ``ceil(L2_FIRST_ROUND * need)`` entries of highest upper bound, whose need-th largest score then rules out every
+  entry whose upper bound lies below it, and computes the rest (about a third of the candidates at budget 0.2 on
+  SmolLM2 and Qwen2.5-0.5B; ``benchmarks/norm_screen.py``).
 """
 
 from __future__ import annotations
 
+import math
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -25,15 +37,23 @@ ABS_PER_DIM = 2.0**-20
 # cuBLAS may round partial sums of a bfloat16 product to bfloat16 unless told not to
 # (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction): then each is within 2^-9 * M.
 ABS_REDUCED = 2.0**-7
+# The l2 bracket's first round: each head's float32 norms for this many times its need, highest upper bounds first
+# (1.5 computed the fewest norms in all on SmolLM2 2k and Qwen2.5-0.5B 4k needle prompts, against 1, 2 and 3).
+L2_FIRST_ROUND = 1.5
+# The l2 bracket pays off only when its first round leaves most candidates out (budget 0.2: about 15% of them).
+L2_MOST_IN_FIRST_ROUND = 1 / 3
+_UNIT = 2.0**-24  # float32's unit roundoff
 
 
-def screens(values: torch.Tensor) -> bool:
-    """Whether the screen pays off: bfloat16 values on a device with native bfloat16 products."""
-    if values.dtype != torch.bfloat16:
-        return False
-    if values.is_cuda:
-        return True
-    return values.device.type == "cpu" and cpu_multiplies_bfloat16()
+def screen_kind(values: torch.Tensor) -> str | None:
+    """Which bracket pays off for these values: ``"bfloat16"`` (bfloat16 values on a device with native bfloat16
+    products), ``"l2"`` (any other values on a CPU whose float32 products are exact float32 ones), or None."""
+    on_cpu = values.device.type == "cpu"
+    if values.dtype == torch.bfloat16 and (values.is_cuda or (on_cpu and cpu_multiplies_bfloat16())):
+        return "bfloat16"
+    if on_cpu and torch.get_float32_matmul_precision() == "highest":
+        return "l2"  # "high" / "medium" may multiply float32 in bfloat16 on a CPU (oneDNN): no bound then
+    return None
 
 
 def cpu_multiplies_bfloat16() -> bool:
@@ -43,10 +63,54 @@ def cpu_multiplies_bfloat16() -> bool:
 
 
 def norm_bounds(values: torch.Tensor, o_proj_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The norms from bfloat16 products, N', and a bound on their distance to the float32 norms N:
-    (b, h_kv, t) float32 each, with ``|N' - N| <= slack``. values (b, h_kv, t, d); o_proj_weight (hidden, h_q * d)."""
+    """The bfloat16 bracket: ``low <= N <= high`` for the float32 norms N, (b, h_kv, t) float32 each, from the
+    bfloat16 norms N' and a bound on their distance to N (``|N' - N| <= slack``). values (b, h_kv, t, d) bfloat16;
+    o_proj_weight (hidden, h_q * d)."""
     rough = projected_value_norm(values, o_proj_weight, compute_dtype=None)
-    return rough, REL * rough + _abs_coefficient(values) * _abs_product_sum(values, o_proj_weight)
+    slack = REL * rough + _abs_coefficient(values) * _abs_product_sum(values, o_proj_weight)
+    return rough - slack, rough + slack
+
+
+def l2_norm_bounds(values: torch.Tensor, o_proj_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The l2 bracket: ``0 <= N <= high`` for the norms N that ``projected_value_norm`` computes in float32,
+    (b, h_kv, t) float32 each. values (b, h_kv, t, d); o_proj_weight (hidden, h_q * d).
+
+    With ``y = V_i F_g`` and ``p = sum_k |V_ik| ||W^g_k||_2 <= ||V_i||_2 ||W^g||_F`` (F's rows have the norms of
+    W^g's), float32 products put ``y`` within ``(d + 1) u p`` of exact (u = 2^-24; F rounded to float32 adds the 1,
+    its float64 errors far less), its norm within ``d u`` of its
+    own, and the float32 norm within ``hidden u N + d u sqrt(hidden) p`` of exact (``sum_j |V_i W^g_j|`` <=
+    ``sqrt(hidden) p``), so ``N <= sqrt(hidden) mean_g (||y|| (1 + rel) + abs ||V_i||_2 ||W^g||_F)`` with
+    ``rel = (d + hidden) u`` and ``abs = (2d + 1) u``, both taken 4 times over.
+    """
+    b, h_kv, t, d = values.shape
+    hidden = o_proj_weight.shape[0]
+    factors, frobenius = _l2_factors(o_proj_weight, h_kv, d)  # (h_kv, d, G * d), (h_kv, 1) mean_g ||W^g||_F
+    g = o_proj_weight.shape[1] // (h_kv * d)
+    rel, abs_ = 4 * (d + hidden) * _UNIT, 4 * (2 * d + 1) * _UNIT
+    high = values.new_empty((b, h_kv, t), dtype=torch.float32)
+    chunk = max(1, _L2_CHUNK_ELEMENTS // max(1, b * h_kv * factors.shape[-1]))
+    for start in range(0, t, chunk):
+        v = values[:, :, start : start + chunk].float()  # (b, h_kv, c, d)
+        l2 = torch.matmul(v, factors).view(b, h_kv, v.shape[2], g, -1).square().sum(-1).sqrt()  # (b, h_kv, c, G)
+        spread = v.square().sum(-1).sqrt() * frobenius  # (b, h_kv, c)
+        high[:, :, start : start + chunk] = (l2.mean(-1) * (1 + rel) + abs_ * spread) * math.sqrt(hidden)
+    return torch.zeros_like(high), high
+
+
+BRACKETS: dict[str, Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
+    "bfloat16": norm_bounds,
+    "l2": l2_norm_bounds,
+}
+_L2_CHUNK_ELEMENTS = 512 * 1024  # as value_norm's CPU chunks: the (b, h_kv, c, G * d) product stays in cache
+
+
+def first_round(kind: str, k: int, t: int) -> int | None:
+    """How many norms per head the bracket ``kind`` computes before it settles anything (0 for the bfloat16 one),
+    or None when the l2 bracket would compute most of the ``t`` norms anyway (a large need ``k``)."""
+    if kind == "bfloat16":
+        return 0
+    first = math.ceil(L2_FIRST_ROUND * k)
+    return first if first <= L2_MOST_IN_FIRST_ROUND * t else None
 
 
 def take_top_by_value_norm(
@@ -58,32 +122,67 @@ def take_top_by_value_norm(
     valid: torch.Tensor,
     need: torch.Tensor,
     k: int | None = None,
+    first: int = 0,
 ) -> torch.Tensor:
     """``take_top(weights * N, keep, valid, need, k)`` with N the float32 ``projected_value_norm``, screened.
 
-    weights (b, h_kv, t) float32, >= 0 on the candidates (stage 2's ``A + eps``); bounds: ``norm_bounds(values,
-    o_proj_weight)``; values (b, h_kv, t, d) bfloat16; o_proj_weight (hidden, h_q * d); keep (b, h_kv, t) bool;
-    valid (b, t) bool; need (b, h_kv) long. Returns the new keep mask (b, h_kv, t) bool.
+    weights (b, h_kv, t) float32, >= 0 on the candidates (stage 2's ``A + eps``); bounds: ``(low, high)`` norms
+    (b, h_kv, t) float32 bracketing N (``BRACKETS``); values (b, h_kv, t, d); o_proj_weight (hidden, h_q * d);
+    keep (b, h_kv, t) bool; valid (b, t) bool; need (b, h_kv) long; ``first``: each head's entries of highest
+    upper bound whose norm is computed before anything is settled (``first_round``). Returns the new keep mask
+    (b, h_kv, t) bool.
     """
     candidates, need = open_places(keep, valid, need)  # (b, h_kv, t), (b, h_kv)
     k = int(largest(need)) if k is None else k
     if k == 0:
         return keep
-    rough, slack = bounds
-    low = (weights * (rough - slack)).masked_fill(~candidates, float("-inf"))  # (b, h_kv, t)
-    high = (weights * (rough + slack)).masked_fill(~candidates, float("-inf"))
+    low = (weights * bounds[0]).masked_fill(~candidates, float("-inf"))  # (b, h_kv, t)
+    high = (weights * bounds[1]).masked_fill(~candidates, float("-inf"))
+    ranking = torch.full_like(weights, float("-inf"))  # the float32 scores where computed
+    computed = torch.zeros_like(candidates)
+    if first:
+        top = high.topk(min(first, high.shape[-1]), dim=-1).indices  # (b, h_kv, first)
+        _rank_exactly(
+            ranking,
+            computed,
+            torch.zeros_like(candidates).scatter_(-1, top, True) & candidates,
+            weights,
+            values,
+            o_proj_weight,
+        )
+        low, high = torch.where(computed, ranking, low), torch.where(computed, ranking, high)
     sure_in, sure_out = _settled(low, high, need, k)
-    unsure = candidates & ~sure_in & ~sure_out  # (b, h_kv, t)
-    ranking = torch.full_like(weights, float("-inf")).masked_fill_(sure_in, float("inf"))
-    m = int(unsure.sum(-1).max())
-    if m:
-        # the unsure positions of each head first (padded with settled ones, written back unchanged)
-        index = unsure.float().topk(m, dim=-1).indices  # (b, h_kv, m)
-        picked = torch.take_along_dim(values, index[..., None], dim=2)  # (b, h_kv, m, d)
-        exact = projected_value_norm(picked, o_proj_weight) * weights.gather(-1, index)  # (b, h_kv, m) float32
-        exact = torch.where(unsure.gather(-1, index), exact, ranking.gather(-1, index))
-        ranking.scatter_(-1, index, exact)
+    ranking.masked_fill_(sure_in & ~computed, float("inf"))
+    unsure = candidates & ~sure_in & ~sure_out & ~computed  # (b, h_kv, t)
+    _rank_exactly(ranking, computed, unsure, weights, values, o_proj_weight)
     return add_top(ranking, keep, candidates, need, k)
+
+
+def _rank_exactly(
+    ranking: torch.Tensor,
+    computed: torch.Tensor,
+    wanted: torch.Tensor,
+    weights: torch.Tensor,
+    values: torch.Tensor,
+    o_proj_weight: torch.Tensor,
+) -> None:
+    """Write ``weights * N`` (float32 N) into ``ranking`` and mark ``computed`` where ``wanted``; ranking
+    (b, h_kv, t) float32, computed and wanted (b, h_kv, t) bool, in place."""
+    h_kv = values.shape[1]
+    if values.device.type == "cpu":  # head by head: none computes more norms than it wants
+        heads = o_proj_weight.view(o_proj_weight.shape[0], h_kv, -1)  # (hidden, h_kv, G * d)
+        for i, j in wanted.any(-1).nonzero().tolist():
+            where = wanted[i, j].nonzero().squeeze(-1)  # (m,)
+            norms = projected_value_norm(values[i, j, where][None, None], heads[:, j])  # (1, 1, m) float32
+            ranking[i, j, where] = norms[0, 0] * weights[i, j, where]
+    else:  # one product for every head (no loop of launches), each padded to the most any head wants
+        m = int(wanted.sum(-1).max())
+        if m:
+            index = wanted.float().topk(m, dim=-1).indices  # (b, h_kv, m): each head's wanted positions first
+            picked = torch.take_along_dim(values, index[..., None], dim=2)  # (b, h_kv, m, d)
+            exact = projected_value_norm(picked, o_proj_weight) * weights.gather(-1, index)  # (b, h_kv, m)
+            ranking.scatter_(-1, index, torch.where(wanted.gather(-1, index), exact, ranking.gather(-1, index)))
+    computed |= wanted
 
 
 def _settled(low: torch.Tensor, high: torch.Tensor, need: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,30 +215,56 @@ def _abs_product_sum(values: torch.Tensor, o_proj_weight: torch.Tensor) -> torch
     return torch.matmul(values.float().abs(), row_sums[..., None]).squeeze(-1)  # (b, h_kv, t)
 
 
-# id(weight) -> (a weak reference to it, what it was computed from, the row sums): a model's o_proj weights
-# do not change between prefills, so their absolute row sums are computed once, not in every prefill (each time a
-# float32 copy of the weight: 64 MiB a layer for Llama-3-8B). A tensor as a dict key would compare elementwise.
-_ROW_SUMS: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
-
-
 def _abs_row_sums(o_proj_weight: torch.Tensor, h_kv: int, d: int) -> torch.Tensor:
     """sum_j |W^g_kj| averaged over the group's query heads g: (h_kv, d) float32, from o_proj_weight
-    (hidden, h_q * d); computed again when the weight changes in place (its version) or is given other storage,
-    dtype or device (``module.to``). An inference tensor has no version to tell: its sums are computed every time."""
+    (hidden, h_q * d); kept per weight (``_per_weight``)."""
 
     def compute() -> torch.Tensor:
         hidden, g = o_proj_weight.shape[0], o_proj_weight.shape[1] // (h_kv * d)
-        with torch.no_grad():  # no graph: a kept graph would hold the weight alive
-            return o_proj_weight.float().abs().view(hidden, h_kv, g, d).sum(0).mean(1)  # (h_kv, d)
+        return o_proj_weight.float().abs().view(hidden, h_kv, g, d).sum(0).mean(1)  # (h_kv, d)
 
-    if o_proj_weight.is_inference():
+    return _per_weight(o_proj_weight, ("abs_row_sums", h_kv, d), compute)
+
+
+def _l2_factors(o_proj_weight: torch.Tensor, h_kv: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the l2 bracket, from o_proj_weight (hidden, h_q * d): each query head's F_g with ``F_g F_g^T = W^g W^g^T``
+    (``U sqrt(L)`` from the Gram matrix's eigendecomposition in float64), side by side per KV head, (h_kv, d, G * d)
+    float32, and the group's mean
+    Frobenius norm ``mean_g ||W^g||_F``, (h_kv, 1) float32; kept per weight (``_per_weight``)."""
+
+    def compute() -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, g = o_proj_weight.shape[0], o_proj_weight.shape[1] // (h_kv * d)
+        heads = o_proj_weight.double().view(hidden, h_kv, g, d).permute(1, 2, 3, 0)  # (h_kv, G, d, hidden): W^g
+        gram = heads @ heads.transpose(-1, -2)  # (h_kv, G, d, d): W^g W^g^T, positive semi-definite
+        eigenvalues, eigenvectors = torch.linalg.eigh(gram)  # (h_kv, G, d), (h_kv, G, d, d)
+        factor = eigenvectors * eigenvalues.clamp(min=0).sqrt()[..., None, :]  # F F^T = gram: ||V F|| = ||V W^g||
+        factors = factor.permute(0, 2, 1, 3).reshape(h_kv, d, g * d)  # (h_kv, d, G * d)
+        frobenius = heads.square().sum((2, 3)).sqrt().mean(1, keepdim=True)  # (h_kv, 1)
+        return factors.float(), frobenius.float()
+
+    return _per_weight(o_proj_weight, ("l2_factors", h_kv, d), compute)
+
+
+# id(weight) -> (a weak reference to it, what it was computed from, {what: derived tensors}): a model's o_proj
+# weights do not change between prefills, so what the brackets derive from them is computed once, not in every
+# prefill (each time a float32 copy of the weight: 64 MiB a layer for Llama-3-8B). A tensor as a dict key would
+# compare elementwise.
+_DERIVED: dict[int, tuple[weakref.ref, tuple, dict]] = {}
+
+
+def _per_weight(weight: torch.Tensor, what: tuple, compute: Callable[[], object]):
+    """``compute()``'s result for ``weight`` and ``what``, kept while the weight lives unchanged; computed again
+    when it changes in place (its version) or is given other storage, dtype or device (``module.to``). An inference
+    tensor has no version to tell: computed every time."""
+    if weight.is_inference():
         return compute()
-    stamp = (o_proj_weight._version, o_proj_weight.data_ptr(), o_proj_weight.dtype, o_proj_weight.device, h_kv, d)
-    cached = _ROW_SUMS.get(id(o_proj_weight))
-    if cached is not None and cached[0]() is o_proj_weight and cached[1] == stamp:
-        return cached[2]
-    row_sums = compute()
-    if cached is None:  # the entry goes with the weight
-        weakref.finalize(o_proj_weight, _ROW_SUMS.pop, id(o_proj_weight), None)
-    _ROW_SUMS[id(o_proj_weight)] = (weakref.ref(o_proj_weight), stamp, row_sums)
-    return row_sums
+    stamp = (weight._version, weight.data_ptr(), weight.dtype, weight.device)
+    cached = _DERIVED.get(id(weight))
+    if cached is None or cached[0]() is not weight or cached[1] != stamp:
+        if cached is None:  # the entry goes with the weight
+            weakref.finalize(weight, _DERIVED.pop, id(weight), None)
+        cached = _DERIVED[id(weight)] = (weakref.ref(weight), stamp, {})
+    if what not in cached[2]:
+        with torch.no_grad():  # no graph: a kept graph would hold the weight alive
+            cached[2][what] = compute()
+    return cached[2][what]
