@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import shutil
 import warnings
 
 import pytest
@@ -531,6 +532,20 @@ def test_a_calibrated_folder_finds_its_own_profile(tmp_path, monkeypatch, tiny_t
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert load_profile(model.config).name == "my-llama"
+    # another folder of the same name and shape (run2/my-llama): a's profile is not taken for its own
+    twin_folder = tmp_path / "run2" / "my-llama"
+    shutil.copytree(folder, twin_folder)
+    twin = AutoModelForCausalLM.from_pretrained(twin_folder)
+    with pytest.warns(HeadProfileWarning, match="was measured on .*, not on this model"):
+        assert load_profile(twin.config).measurement["source"] == str(folder.resolve())
+    _, twin_path = calibrate_preset(str(twin_folder), samples=1, lengths=(96,), progress=False)
+    assert twin_path != path and twin_path.name.startswith("my-llama-")  # the first folder's profile stays
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_profile(twin.config).measurement["source"] == str(twin_folder.resolve())
+        assert load_profile(model.config).measurement["source"] == str(folder.resolve())
+    _, again_path = calibrate_preset(str(folder), samples=1, lengths=(96,), progress=False)
+    assert again_path == path  # calibrating a folder again replaces its own profile
 
 
 def test_calibration_runs_on_a_model_with_sliding_window_layers(tiny_tokenizer):

@@ -38,7 +38,7 @@ def test_valid_budgets(good):
     [
         ("512", 512, int),
         (" 512 ", 512, int),
-        ("1", 1, int),
+        ("2", 2, int),
         ("0.2", 0.2, float),
         ("1.0", 1.0, float),
         (".5", 0.5, float),
@@ -51,7 +51,7 @@ def test_parse_strings(text, value, kind):
     assert b.value == value
 
 
-@pytest.mark.parametrize("text", ["0", "0.0", "-1", "-0.2", "1.5", "nan", "inf", "abc", "", "20%", "1e3"])
+@pytest.mark.parametrize("text", ["0", "0.0", "-1", "-0.2", "1.5", "nan", "inf", "abc", "", "20%", "1e3", "1"])
 def test_parse_bad_strings(text):
     with pytest.raises(BudgetError):
         Budget.parse(text)
@@ -124,3 +124,13 @@ def test_entries_never_exceed_length():
         got = b.entries_for(lengths)
         assert bool((got <= lengths).all())
         assert bool((got >= 1).all())
+
+
+def test_count_one_is_refused_with_the_fraction_it_likely_meant():
+    """``1`` would keep one entry per KV head, fewer than any observation window: a user meaning "everything" gets
+    told to write 1.0; ``Budget(1)`` builds that budget on purpose."""
+    for value in (1, "1", " 1 "):
+        with pytest.raises(BudgetError, match=r"Write 1\.0 to keep everything"):
+            Budget.parse(value)
+    assert Budget.parse("1.0").keeps_everything and Budget.parse(1.0).keeps_everything
+    assert Budget.parse(Budget(1)).value == 1

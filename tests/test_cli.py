@@ -288,6 +288,28 @@ def test_run_hints_float32_for_a_bfloat16_model_on_a_cpu_that_emulates_bfloat16(
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, (result.exception, result.output)
     assert result.output.count("no bfloat16 instructions") == int(hinted)
+    assert result.output.count("no chat template: prompts are plain text") == 1  # the tiny tokenizer has none
+
+
+def test_a_method_the_model_cannot_take_is_refused_before_the_full_cache_runs(tmp_path, tiny_tokenizer, monkeypatch):
+    """Gemma 3's sliding-window layers cannot be rewound after the reconstruction passes: ``run --method
+    full,reconstruct`` stops before any prefill, not after the full cache's."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    def prefill(*args, **kwargs):
+        raise AssertionError("a prefill ran")
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gemma3")
+    tiny_tokenizer.save_pretrained(tmp_path / "gemma3")
+    monkeypatch.setattr("criticalkv.runtime.session.ContextSession.prefill", prefill)
+    args = ["run", "--model", str(tmp_path / "gemma3"), "--device", "cpu", "--context-tokens", "64"]
+    _refused([*args, "--method", "full,reconstruct"], "does not support models with sliding-window layers")
 
 
 def test_max_new_tokens_caps_a_benchmarks_own_count_and_never_raises_it():

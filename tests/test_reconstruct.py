@@ -346,11 +346,12 @@ def test_missing_tokenizer_is_a_clear_error():
         ContextSession(model, "reconstruct", 0.3).prefill(ids, mask)
 
 
-def test_sliding_window_models_are_refused(tiny_tokenizer):
+@pytest.mark.parametrize("preset", ["reconstruct", "critical-layer-reconstruct"])
+@pytest.mark.parametrize("budget", [0.3, 1.0])
+def test_sliding_window_models_are_refused_before_any_forward(tiny_tokenizer, preset, budget):
     model = _model("gemma3")
-    ids, mask = _batch(_random_rows([40], seed=11))
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
-        ContextSession(model, build_method("reconstruct", tokenizer=tiny_tokenizer), 0.3).prefill(ids, mask)
+    with pytest.raises(UnsupportedModelError, match=r"ReconstructionScorer does not support .* sliding-window layers"):
+        ContextSession(model, build_method(preset, tokenizer=tiny_tokenizer), budget)
 
 
 def test_scorer_refuses_per_layer_use_and_bad_options():

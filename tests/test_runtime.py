@@ -46,6 +46,7 @@ from criticalkv.errors import (
 from criticalkv.models import head_dim
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.session import ContextSession
+from criticalkv.runtime.shared_prefill import SharedPrefill
 from criticalkv.scorers import SnapKVScorer, StreamingScorer
 from criticalkv.selectors import CriticalSelector, TopKSelector
 
@@ -743,6 +744,8 @@ def test_options_reach_the_pieces():
         ("streaming", {"window": 8}),
         ("full", {"window": 8}),
         ("tova", {"x": 1}),
+        (None, {}),  # a clear error, not an AttributeError from parsing the spec
+        (0.2, {}),
     ],
 )
 def test_unknown_methods_and_options(method, options):
@@ -805,6 +808,26 @@ def test_chunked_prefill_is_refused_and_generate_restored():
             model.generate(ids, config)
     assert "generate" not in model.__dict__  # the block's guard is gone: chunked prefill works again outside
     model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, prefill_chunk_size=16)
+
+
+def test_an_empty_dynamic_cache_given_to_generate_is_warned_about():
+    """generate fills a compressed cache of its own: the DynamicCache a caller passed stays empty, and continuing
+    from it would start over. The output's cache is the compressed one; a criticalkv cache passed in is filled."""
+    model = _model("llama")
+    ids = _ids(40, seed=49)
+    with criticalkv.compress(model, "snapkv", budget=0.5):
+        given = DynamicCache(config=model.config)
+        with pytest.warns(UserWarning, match="stays empty"):
+            out = model.generate(
+                input_ids=ids, cache=given, max_new_tokens=2, do_sample=False, return_dict_in_generate=True
+            )
+        assert given.get_seq_length() == 0 and out.past_key_values.get_seq_length() > 0
+        with pytest.warns(UserWarning, match="stays empty"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renamed the argument
+            model.generate(input_ids=ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
 
 
 @pytest.mark.parametrize("implementation", ["static", "offloaded"])
@@ -894,6 +917,9 @@ def test_a_padded_context_without_its_mask_is_warned_about():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         session.prefill(ids, mask)
+    shared = SharedPrefill(model, [("snapkv", "snapkv", 0.5), ("critical", "critical-snapkv", 0.5)])
+    with pytest.warns(UserWarning, match="pad token"):  # one prefill for several methods warns alike
+        shared.prefill(ids)
 
 
 def test_an_empty_context_or_target_list_is_a_clear_error():
@@ -933,12 +959,17 @@ def test_a_dropped_cache_is_freed_inside_the_block():
 
 
 def test_unsupported_models():
+    """Refused on entering the block, before any forward, also at budget 1.0 (a sweep's first budget refuses what
+    its next would), but for the full cache."""
     torch.manual_seed(0)
     gpt2 = AutoModelForCausalLM.from_config(
         GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=1, eos_token_id=2)
     )
-    with pytest.raises(UnsupportedModelError), criticalkv.compress(gpt2, "snapkv", budget=0.5):
-        pass
+    for budget in (0.5, 1.0):
+        with pytest.raises(UnsupportedModelError), criticalkv.compress(gpt2, "snapkv", budget=budget):
+            pytest.fail("entered")
+    with criticalkv.compress(gpt2, "full", budget=0.5) as nothing:
+        assert nothing is None
     flex = AutoModelForCausalLM.from_config(FAMILIES["llama"](), attn_implementation="flex_attention")
     with pytest.raises(UnsupportedModelError), criticalkv.compress(flex, "snapkv", budget=0.5):
         pass
@@ -948,8 +979,15 @@ def test_unsupported_models():
         Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=6, layer_types=["sliding_attention"] * 2),
         attn_implementation="sdpa",
     )
-    with pytest.raises(UnsupportedModelError), criticalkv.compress(only_sliding, "snapkv", budget=0.5):
-        only_sliding(_ids(10))
+    for budget in (0.5, 1.0):
+        refused = pytest.raises(UnsupportedModelError, match="nothing to compress")
+        with refused, criticalkv.compress(only_sliding, "snapkv", budget=budget):
+            pytest.fail("entered")
+    phi3_4k = AutoModelForCausalLM.from_config(  # Phi-3-mini-4k: a 2047-token window over 4096 positions
+        Phi3Config(**dict(_COMMON, max_position_embeddings=64), sliding_window=31), attn_implementation="sdpa"
+    )
+    with pytest.raises(UnsupportedModelError, match=r"\[31\] tokens over 64 positions, as in Phi-3-mini-4k"):
+        ContextSession(phi3_4k, "critical-snapkv", 0.2)
     moe_window = AutoModelForCausalLM.from_config(  # Qwen3-MoE's window, when on, covers every layer
         Qwen3MoeConfig(
             **_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, use_sliding_window=True, sliding_window=6
@@ -957,7 +995,7 @@ def test_unsupported_models():
         attn_implementation="sdpa",
     )
     with pytest.raises(UnsupportedModelError, match="sliding-window"), criticalkv.compress(moe_window, "snapkv", 0.5):
-        moe_window(_ids(10))
+        pytest.fail("entered")
 
 
 def test_continuing_a_foreign_cache_is_refused():

@@ -43,7 +43,11 @@ class Budget:
 
     @classmethod
     def parse(cls, value: Budget | float | int | str) -> Budget:
-        """Read ``0.2``, ``512``, ``"0.2"`` or ``"512"``; integers are token counts, decimals fractions."""
+        """Read ``0.2``, ``512``, ``"0.2"`` or ``"512"``; integers are token counts, decimals fractions.
+
+        What a user writes: the count ``1`` is refused (one entry per KV head, fewer than any observation window:
+        most likely meant as ``1.0``, everything); ``Budget(1)`` itself is allowed.
+        """
         if isinstance(value, Budget):
             return value
         if isinstance(value, str):
@@ -54,8 +58,15 @@ class Budget:
                 raise BudgetError(
                     f"cannot read budget {value!r}: use a fraction like 0.2 or a count like 512"
                 ) from None
-            return cls(number)
-        return cls(value)
+            budget = cls(number)
+        else:
+            budget = cls(value)
+        if budget.value == 1 and not budget.is_fraction:
+            raise BudgetError(
+                "budget 1 is a count: one entry per KV head. Write 1.0 to keep everything, a fraction such as 0.2, "
+                "or a count of at least 2 entries (Budget(1) builds it on purpose)"
+            )
+        return budget
 
     @property
     def is_fraction(self) -> bool:

@@ -24,8 +24,9 @@ from criticalkv.eval.commands import app as eval_app
 from criticalkv.eval.commands import at_least, parse_numbers
 from criticalkv.methods import PRESETS, build_method, parse_option_value
 from criticalkv.models.families import check_length
-from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, list_presets, slow_dtype_note
+from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, list_presets, load_notes
 from criticalkv.progress import layer_progress, output_console, print_error
+from criticalkv.runtime.api import make_compressor
 from criticalkv.runtime.session import ContextSession
 
 app = typer.Typer(help="KV-cache eviction for long-context inference: CriticalKV over SnapKV and friends.")
@@ -219,8 +220,8 @@ def _run(
     with console.status(f"loading {model_name}"):
         model, tokenizer = launch.load_model(model_name, dtype=dtype, device=device)
     layout = ParallelLayout.of(model)  # one process, or where this one sits in a torchrun split
-    if layout.is_main and (note := slow_dtype_note(model)):
-        console.print(note, style="dim")
+    for note in load_notes(model, tokenizer) if layout.is_main else []:
+        console.print(note, style="dim", markup=False)
     device = next(model.parameters()).device
     from criticalkv.eval.needle import encode_prompt
 
@@ -229,6 +230,9 @@ def _run(
     for prefix_ids, suffix_ids in encoded:  # every prompt fits the model, checked before any prefill
         check_length(model.config, len(prefix_ids) + len(suffix_ids), "prompt length")
     eos = tokenizer.eos_token_id
+    for name in methods_:  # every method is checked against the model before the first prefill (full's included)
+        if name != "full":
+            make_compressor(model, name, parsed_budget, **options)
     results: list[RunResult] = []
     full_by_question: dict[str, tuple[int, int]] = {}
     for name in methods_:

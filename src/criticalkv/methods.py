@@ -197,6 +197,11 @@ def build_method(name: str, **options: object) -> Method | None:
     spec). Returns None for ``full``. Unknown names and options raise ``UnknownMethodError``.
     """
     spec = name
+    if not isinstance(spec, str):
+        raise UnknownMethodError(
+            f"a method is a preset name such as 'critical-snapkv' or a criticalkv.Method, got {spec!r}; "
+            f"presets: {', '.join(PRESETS)}"
+        )
     name, spec_options = parse_method_spec(spec)
     clashes = sorted(k for k in spec_options.keys() & options.keys() if spec_options[k] != options[k])
     if clashes:

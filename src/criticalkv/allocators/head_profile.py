@@ -8,6 +8,7 @@ of another shape. ``calibrate_head_profile`` measures one; ``load_profile`` find
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import inspect
 import json
 import time
@@ -242,6 +243,14 @@ def model_label(config: PretrainedConfig) -> str:
     return Path(getattr(config, "name_or_path", "") or "").name
 
 
+def model_source(config: PretrainedConfig) -> str:
+    """Where the model was loaded from: a local folder's absolute path, else ``name_or_path`` as given (a hub id);
+    recorded in a calibrated profile, so that two folders of one name (``run1/final``, ``run2/final``) are told
+    apart."""
+    where = getattr(config, "name_or_path", "") or ""
+    return str(Path(where).resolve()) if where and Path(where).is_dir() else where
+
+
 def load_profile(config: PretrainedConfig) -> HeadProfile:
     """The head profile for a model config: the one named after the model (``model_label``) among those of its
     shape, else the first of its shape (user cache dir, then shipped) with a ``HeadProfileWarning``: its heads were
@@ -254,10 +263,20 @@ def load_profile(config: PretrainedConfig) -> HeadProfile:
     """
     found = available_profiles()
     same_shape = [profile for _, profile in found if not profile.mismatches(config)]
-    label = model_label(config)
+    label, source = model_label(config), model_source(config)
     named = [profile for profile in same_shape if profile.name == label]
-    if named:
-        return named[0]
+    own = [profile for profile in named if profile.measurement.get("source") in (None, source)]
+    if own:
+        return own[0]
+    if named:  # a folder of the same name elsewhere
+        profile = named[0]
+        warnings.warn(
+            f"HeadKV: the head profile {label!r} was measured on {profile.measurement['source']}, not on this model "
+            f"({source}), a model of the same name and shape; using it. {_calibrate_hint(config)}.",
+            HeadProfileWarning,
+            stacklevel=2,
+        )
+        return profile
     if same_shape:
         profile = same_shape[0]
         model = repr(label) if label else "this model"
@@ -406,6 +425,7 @@ def calibrate_head_profile(
         "seed": seed,
         "floor": floor,
         "teacher_forced": True,
+        "source": model_source(model.config),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "date": _dt.date.today().isoformat(),
         "wall_seconds": round(wall, 1),
@@ -432,12 +452,26 @@ def calibrate_preset(
 ) -> tuple[HeadProfile, Path]:
     """Load a model (preset name or folder), calibrate it and save the profile; what ``calibrate-heads`` runs.
 
-    ``out`` defaults to ``<cache root>/head_profiles/<name>.json``, where ``load_profile`` finds it.
+    ``out`` defaults to ``<cache root>/head_profiles/<name>.json``, where ``load_profile`` finds it, or
+    ``<name>-<8 hex digits>.json`` when that file holds the profile of another model of the same name.
     """
     from criticalkv.models.presets import load_model
 
     loaded, tokenizer = load_model(model, dtype=dtype, device=device)
     label = model_label(loaded.config)  # the name load_profile looks for on this model
     profile = calibrate_head_profile(loaded, tokenizer, name=label, **options)
-    path = Path(out) if out is not None else user_profile_dir() / f"{label}.json"
+    path = Path(out) if out is not None else _own_file(label, model_source(loaded.config))
     return profile, profile.save(path)
+
+
+def _own_file(label: str, source: str) -> Path:
+    """``<user profile dir>/<label>.json``, unless it holds the profile of a model from elsewhere (another folder of
+    the same name): then ``<label>-<hash of source>.json``, leaving that one as it is."""
+    path = user_profile_dir() / f"{label}.json"
+    try:
+        recorded = HeadProfile.load(path).measurement.get("source") if path.exists() else None
+    except HeadProfileError:  # unreadable: overwritten as before
+        recorded = None
+    if recorded in (None, source):
+        return path
+    return path.with_name(f"{label}-{hashlib.sha256(source.encode()).hexdigest()[:8]}.json")

@@ -422,12 +422,12 @@ def run_analysis(
     path = out / "perturbation.json"
     if n > 0:
         from criticalkv.models.presets import PRESETS as MODEL_PRESETS
-        from criticalkv.models.presets import load_model, slow_dtype_note
+        from criticalkv.models.presets import load_model, load_notes
 
         with console.status(f"loading {model}"):
             lm, tokenizer = load_model(model, dtype=dtype, device=device)
-        if note := slow_dtype_note(lm):
-            console.print(note, style="dim")
+        for note in load_notes(lm, tokenizer):
+            console.print(note, style="dim", markup=False)
         check_length(lm.config, length, "--length")
         config = lm.config.get_text_config()
         h_kv = config.num_key_value_heads

@@ -20,7 +20,7 @@ from criticalkv.eval.report import write_report
 from criticalkv.eval.sweep import REGIMES, check_out_folder, load_rows, pair_label, run_sweep, stored_settings
 from criticalkv.methods import build_method
 from criticalkv.models.families import check_length
-from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, as_dtype, slow_dtype_note
+from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, as_dtype, load_notes
 from criticalkv.progress import output_console, print_error
 
 if TYPE_CHECKING:  # needle_grid pulls matplotlib: imported by the command only
@@ -82,10 +82,11 @@ def _budgets(text: str) -> list[Budget]:
 
 
 def _load(model: str, dtype: str, device: str) -> tuple[Any, Any]:
-    """``launch.load_model``, with the hint of a bfloat16 model on a CPU without bfloat16 instructions."""
+    """``launch.load_model``, with its hints (``load_notes``: a bfloat16 model on a CPU without bfloat16
+    instructions, a tokenizer without a chat template)."""
     loaded, tokenizer = launch.load_model(model, dtype=dtype, device=device)
-    if launch.is_main_process() and (note := slow_dtype_note(loaded)):
-        console.print(note, style="dim")
+    for note in load_notes(loaded, tokenizer) if launch.is_main_process() else []:
+        console.print(note, style="dim", markup=False)
     return loaded, tokenizer
 
 

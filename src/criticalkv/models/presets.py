@@ -316,6 +316,18 @@ DEVICE_HELP = "auto (the GPU when torch sees one, else the CPU), cpu, cuda or cu
 DTYPE_HELP = "auto (bfloat16 for presets, else the checkpoint's), bfloat16, float16 or float32."
 
 
+def load_notes(model: PreTrainedModel, tokenizer: object) -> list[str]:
+    """Hints for the command line once a model is loaded: ``slow_dtype_note``, and a tokenizer without a chat
+    template (prompts are then plain text)."""
+    notes = [note] if (note := slow_dtype_note(model)) else []
+    if not getattr(tokenizer, "chat_template", None):
+        notes.append(
+            "note: this tokenizer has no chat template: prompts are plain text (the context, the question and the "
+            "answer's prefix, with no chat turns)"
+        )
+    return notes
+
+
 def slow_dtype_note(model: PreTrainedModel) -> str | None:
     """A hint for the command line: a bfloat16 model on a CPU that emulates bfloat16 products (neither AVX512-BF16
     nor AMX), where float32 runs about 2.8x faster (README); None elsewhere."""
@@ -395,6 +407,13 @@ def _closest_preset(name: str) -> str:
     return f" Did you mean '{close[0]}'?" if close else ""
 
 
+def _under_a_local_folder(name: str) -> bool:
+    """``models/nope`` where ``models/`` is a folder here: a mistyped local path rather than a hub id (``org/name``),
+    refused at once instead of after the hub's retries."""
+    first = Path(name).parts[0] if Path(name).parts else ""
+    return len(Path(name).parts) > 1 and Path(first).is_dir()
+
+
 def load_model(
     name_or_path: str = DEFAULT_PRESET,
     dtype: torch.dtype | str = "auto",
@@ -444,7 +463,7 @@ def load_model(
         if not (folder / "config.json").is_file():
             raise CriticalKVError(f"'{folder}' is not a model folder (no config.json inside).")
         source = str(folder)
-    elif name_or_path.startswith(("/", ".", "~")):
+    elif name_or_path.startswith(("/", ".", "~")) or _under_a_local_folder(name_or_path):
         raise CriticalKVError(f"No such model folder: '{name_or_path}'. Presets: {', '.join(PRESETS)}.")
     else:
         source = name_or_path  # hub id

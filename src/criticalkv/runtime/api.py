@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 
 from criticalkv.budget import Budget
 from criticalkv.methods import build_method
-from criticalkv.runtime.compressor import Compressor, refuse_nesting
+from criticalkv.runtime.compressor import Compressor, check_compressible, refuse_nesting
 from criticalkv.runtime.method import Method
 
 
@@ -27,6 +27,8 @@ def make_compressor(
         built = build_method(method, **options)
     if built is None or budget.keeps_everything:
         refuse_nesting(model)  # a Compressor refuses it itself
+        if built is not None:  # a sweep's budget 1.0 refuses what its next budget would
+            check_compressible(model, built)
         return None
     return Compressor(model, built, budget)
 
@@ -48,7 +50,7 @@ def compress(
         A preset name (``criticalkv.method_names()``) or a custom ``Method``.
     budget
         A fraction of each prompt (``0.2``) or an entry count per KV head (``512``). ``1.0`` installs nothing:
-        the model runs exactly as without criticalkv.
+        the model runs exactly as without criticalkv (a model the method cannot compress is refused all the same).
     options
         Preset options, e.g. ``window=64`` or ``alpha=0.25``.
 

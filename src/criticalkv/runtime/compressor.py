@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from criticalkv.cache import CompressedCache, CompressedLayer, attention
 from criticalkv.cache.compressed_cache import release_views
 from criticalkv.distributed.layout import check_model
 from criticalkv.errors import CacheStateError, PaddingError, UnsupportedModelError
-from criticalkv.models.families import attention_modules, check_supported
+from criticalkv.models.families import attention_modules, check_supported, layer_types, text_config
 from criticalkv.runtime.method import Method
 from criticalkv.scorers import LayerView
 from criticalkv.scorers.reconstruct import MaxAttentionProbe
@@ -60,6 +61,30 @@ def refuse_nesting(model: PreTrainedModel) -> None:
     a run meant to keep the full cache."""
     if model.config._attn_implementation.startswith("criticalkv_"):
         raise CacheStateError("this model is already inside criticalkv.compress(...); blocks do not nest")
+
+
+def check_compressible(model: PreTrainedModel, method: Method) -> None:
+    """Refuse, before any forward, a model ``method`` cannot compress: an unsupported family, a model whose every
+    attention layer is a sliding-window one (nothing to compress), or sliding-window layers with a scorer that
+    cannot run beside them (``supports_sliding_windows = False``: reconstruction)."""
+    check_supported(model.config)
+    kinds, kwargs = layer_types(model.config)
+    windows = sorted({k["sliding_window"] for k in kwargs if k.get("sliding_window") is not None})
+    positions = getattr(text_config(model.config), "max_position_embeddings", None)
+    if "full_attention" not in kinds:
+        raise UnsupportedModelError(
+            f"every attention layer of this model is a sliding-window layer (a window of {windows} tokens over "
+            f"{positions} positions, as in Phi-3-mini-4k or Mistral-7B-v0.1): criticalkv compresses full-attention "
+            "layers only, so there is nothing to compress"
+        )
+    scorer = method.scorer
+    if len(set(kinds)) > 1 and not getattr(scorer, "supports_sliding_windows", True):
+        sliding = sum(kind != "full_attention" for kind in kinds)
+        raise UnsupportedModelError(
+            f"{type(scorer).__name__} does not support models with sliding-window layers yet ({sliding} of this "
+            f"model's {len(kinds)} layers): their caches cannot be rewound after its passes; use a scorer that reads "
+            "the prefill alone (snapkv, tova, knorm, ...)"
+        )
 
 
 def _require_left_padding(valid: torch.Tensor) -> None:
@@ -149,7 +174,7 @@ class Compressor:
     compress_cpu_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        check_supported(self.model.config)
+        check_compressible(self.model, self.method)
         check_model(self.model)  # a tensor-parallel split criticalkv can compress exactly, before any forward
         refuse_nesting(self.model)
         self.base_implementation = self.model.config._attn_implementation
@@ -222,6 +247,19 @@ class Compressor:
                     "assisted decoding (assistant_model, prompt_lookup_num_tokens) is not available inside "
                     "criticalkv.compress(...): its first forward holds the prompt and the drafts, which would be "
                     "compressed as context, and a compressed cache cannot be cropped back"
+                )
+            given_cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5's name, and the old
+            if (
+                isinstance(given_cache, Cache)
+                and not isinstance(given_cache, CompressedCache)
+                and given_cache.get_seq_length() == 0
+                and _replaceable(given_cache)
+            ):
+                warnings.warn(
+                    f"the empty {type(given_cache).__name__} passed to generate stays empty: inside "
+                    "criticalkv.compress the prefill fills a compressed cache of its own; continue from the "
+                    "output's past_key_values (return_dict_in_generate=True)",
+                    stacklevel=2,
                 )
             return generate(*args, **kwargs)
 

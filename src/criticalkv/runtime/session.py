@@ -37,6 +37,18 @@ class Generation:
         return sum(self.decode_seconds) / len(self.decode_seconds) if self.decode_seconds else float("nan")
 
 
+def warn_unmasked_padding(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """Warn when a batch's row starts with the pad token and no ``attention_mask`` tells the padding: it would be
+    read as context. input_ids (b, t)."""
+    pad = model.generation_config.pad_token_id
+    if attention_mask is None and input_ids.shape[0] > 1 and pad is not None and bool((input_ids[:, 0] == pad).any()):
+        warnings.warn(
+            f"a row of the batch starts with the pad token ({pad}) and no attention_mask was given: padding is "
+            "read as context; pass the tokenizer's attention_mask",
+            stacklevel=3,
+        )
+
+
 def full_cache(model: PreTrainedModel) -> DynamicCache:
     """transformers' own cache for the full context. On a pipeline stage the layers other stages run are
     ``DummyLayer``, as in ``CompressedCache``: transformers sizes masks from the first cache layer that is not one,
@@ -118,18 +130,7 @@ class ContextSession:
         ``attention_mask`` (b, t) (None: every token is real). Returns the last position's logits (b, vocab)."""
         if input_ids.shape[-1] == 0:
             raise CriticalKVError("the context is empty: prefill needs at least one token")
-        pad = self.model.generation_config.pad_token_id
-        if (
-            attention_mask is None
-            and input_ids.shape[0] > 1
-            and pad is not None
-            and bool((input_ids[:, 0] == pad).any())
-        ):
-            warnings.warn(
-                f"a row of the batch starts with the pad token ({pad}) and no attention_mask was given: padding is "
-                "read as context; pass the tokenizer's attention_mask",
-                stacklevel=2,
-            )
+        warn_unmasked_padding(self.model, input_ids, attention_mask)
         self.cache = self.compressor.new_cache() if self.compressor else full_cache(self.model)
         # Sliding-window layers (Gemma 3) drop what leaves their window unless told to keep it for a rewind.
         self.cache.activate_past_recording()

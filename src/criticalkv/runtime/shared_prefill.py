@@ -19,7 +19,7 @@ from criticalkv.cache import CompressedCache, CompressedLayer
 from criticalkv.methods import build_method
 from criticalkv.runtime.compressor import Compressor, LayerRecord, PendingLayer, apply_shrink, prefill_view
 from criticalkv.runtime.method import Method
-from criticalkv.runtime.session import ContextSession
+from criticalkv.runtime.session import ContextSession, warn_unmasked_padding
 
 
 @dataclass
@@ -67,6 +67,7 @@ class SharedPrefill(Compressor):
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict[str, ContextSession]:
         """Run the prefill once; return one ``ContextSession`` per target label, ready to ``ask``."""
+        warn_unmasked_padding(self.model, input_ids, attention_mask)
         for target in self.targets:
             target.cache = CompressedCache(self.model.config, self)
             target.records, target.pending, target.state = [], [], {}

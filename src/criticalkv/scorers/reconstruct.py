@@ -287,6 +287,7 @@ class ReconstructionScorer:
     """
 
     non_negative: ClassVar[bool] = True  # maxima of attention probabilities (Scorer)
+    supports_sliding_windows: ClassVar[bool] = False  # transformers' sliding layers cannot be rewound (Compressor)
 
     chunk_size: int = 2048
     query_stride: int = 1
