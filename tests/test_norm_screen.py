@@ -100,6 +100,48 @@ def test_l2_bracket_holds_and_is_the_l2_norm_bound(seed, h_kv, g, d, hidden, spr
     assert bool((high.double() <= reference * (1 + 1e-4) + slack + 1e-30).all())
 
 
+@pytest.mark.parametrize(("h_kv", "g", "d", "hidden"), [(1, 1, 128, 4096), (2, 4, 128, 1024), (2, 7, 64, 896)])
+def test_a_rows_norm_has_the_same_bits_among_a_few_gathered_rows_as_among_all(h_kv, g, d, hidden):
+    """The screens compute the norms of a few gathered rows and compare them with the norms every row would get:
+    short products (one row: a matrix-vector product; 4-5 rows at d=128, hidden=4096 on a CPU) sum in another order,
+    so ``projected_value_norm`` pads them to 16 rows."""
+    gen = torch.Generator().manual_seed(5)
+    values = torch.randn(1, h_kv, 300, d, generator=gen)
+    weight = torch.randn(hidden, h_kv * g * d, generator=gen) * 0.02
+    everything = projected_value_norm(values, weight)  # (1, h_kv, 300)
+    heads = weight.view(hidden, h_kv, -1)
+    for rows in (1, 2, 4, 5, 7, 15, 16, 17, 64):
+        index = torch.randperm(300, generator=gen)[:rows]
+        for j in range(h_kv):
+            gathered = projected_value_norm(values[0, j, index][None, None], heads[:, j])  # (1, 1, rows)
+            assert torch.equal(gathered[0, 0], everything[0, j, index]), (rows, j)
+
+
+@pytest.mark.parametrize("flush", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_l2_bracket_holds_for_values_down_to_subnormal_numbers(flush, dtype):
+    """Values near 1e-25 square to nothing in float32; the bracket scales each row first, and its floor covers the
+    norm's own products that fall below float32's normal range (or are flushed to zero)."""
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(96, 2 * 3 * 16, generator=gen) * 0.05
+    torch.set_flush_denormal(flush)  # returns whether the CPU can, not the previous setting (off by default)
+    try:
+        for magnitude in (1e-42, 1e-38, 1e-30, 1e-25, 1e-20, 1e-12, 1.0, 1e12, 1e18):
+            values = (torch.randn(2, 2, 50, 16, generator=gen) * magnitude).to(dtype)
+            exact = projected_value_norm(values, weight)
+            assert bool((exact <= norm_screen.l2_norm_bounds(values, weight)[1]).all()), magnitude
+            weights = torch.rand(2, 2, 50, generator=gen)
+            valid = torch.ones(2, 50, dtype=torch.bool)
+            keep = torch.zeros(2, 2, 50, dtype=torch.bool)
+            need = torch.full((2, 2), 7)
+            bounds = norm_screen.l2_norm_bounds(values, weight)
+            got = norm_screen.take_top_by_value_norm(weights, bounds, values, weight, keep, valid, need, first=10)
+            want = take_top(weights * exact, keep, valid, need)
+            assert _chosen_scores(got, weights * exact) == _chosen_scores(want, weights * exact), magnitude
+    finally:
+        torch.set_flush_denormal(False)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),
@@ -182,12 +224,17 @@ def test_each_bracket_runs_where_it_pays_and_none_elsewhere(monkeypatch):
     assert norm_screen.screen_kind(view.values) == ("bfloat16" if native else "l2")
     assert norm_screen.screen_kind(view.values.float()) == "l2"
     assert norm_screen.screen_kind(view.values.double()) == "l2"
-    precision = torch.get_float32_matmul_precision()
+    mkldnn, cuda = torch.backends.mkldnn.matmul, torch.backends.cuda.matmul
     try:
-        torch.set_float32_matmul_precision("medium")
+        for setting, value, kind in [(mkldnn, "bf16", None), (mkldnn, "tf32", None), (cuda, "tf32", "l2")]:
+            setting.fp32_precision = value  # torch's newer setting (the older getter raises once it is used)
+            assert norm_screen.screen_kind(view.values.float()) == kind, (value, kind)
+            setting.fp32_precision = "none"
+        torch.set_float32_matmul_precision("medium")  # the older one: bfloat16 products in oneDNN
         assert norm_screen.screen_kind(view.values.float()) is None
     finally:
-        torch.set_float32_matmul_precision(precision)
+        mkldnn.fp32_precision = cuda.fp32_precision = "none"
+        torch.set_float32_matmul_precision("highest")
     monkeypatch.setattr(critical_module, "screen_kind", lambda values: "l2")
     assert CriticalSelector()._screen(view) == "l2"
     assert CriticalSelector(screen=False)._screen(view) is None
@@ -231,7 +278,7 @@ def test_screen_on_cuda_chooses_what_float32_norms_choose():
     b, h_kv, t = 2, 2, 4096
     for seed in range(3):
         view = _bf16_view(b, h_kv, 4, t, 64, 256, seed, device="cuda")
-        assert norm_screen.screens(view.values)
+        assert norm_screen.screen_kind(view.values) == "bfloat16"
         gen = torch.Generator().manual_seed(seed)
         scores = (torch.rand(b, h_kv, t, generator=gen) ** 8).cuda()
         protected = torch.zeros(b, t, dtype=torch.bool, device="cuda")
@@ -244,7 +291,7 @@ def test_screen_on_cuda_chooses_what_float32_norms_choose():
 
 
 def test_weight_row_sums_are_computed_once_per_weight_and_again_when_it_changes():
-    """The brackets' |W| row sums and QR factors are kept per o_proj weight across prefills: the same tensors while
+    """The brackets' |W| row sums and Gram factors are kept per o_proj weight across prefills: the same tensors while
     the weight is unchanged, computed anew after an in-place change or new storage (``module.to``), forgotten with
     the weight."""
     import gc

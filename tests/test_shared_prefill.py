@@ -141,3 +141,17 @@ def test_stacking_keeps_another_stages_layers_empty():
     assert torch.equal(stacked.layers[1].lengths, torch.cat([cache.layers[1].lengths for cache in caches]))
     with pytest.raises(CacheStateError, match="layer 0 is not a compressed layer in every cache"):
         CompressedCache.stack([caches[0], sessions["full"].cache])
+
+
+def test_every_target_is_checked_before_the_prefill_and_the_full_cache_alone_runs():
+    """A target the model cannot take (reconstruction beside Gemma 3's sliding-window layers) is refused when the
+    SharedPrefill is built, not after its prefill, wherever it stands; the full cache alone needs no method."""
+    from criticalkv.errors import UnsupportedModelError
+
+    gemma = _model("gemma3")
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        SharedPrefill(gemma, [("a", "snapkv", 0.5), ("r", "critical-reconstruct", 0.5)])
+    llama = _model("llama")
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(3))
+    sessions = SharedPrefill(llama, [("full", "full", 1.0)]).prefill(ids)
+    assert sessions["full"].ask(None, max_new_tokens=2).tokens.shape == (1, 2)

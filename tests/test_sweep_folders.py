@@ -152,3 +152,13 @@ def test_an_out_that_is_a_file_is_refused_clearly(tmp_path, tiny_tokenizer):
     with pytest.raises(CriticalKVError, match="is a file, not a folder"):
         run_sweep(model, tiny_tokenizer, samples, _score, **kwargs)
     assert file.read_text() == "mine"
+
+
+def test_a_sweep_at_a_count_of_one_entry_resumes(tmp_path, tiny_tokenizer):
+    """``Budget(1)`` (built on purpose: ``Budget.parse`` refuses the count 1) is stored as 1 and read back as the
+    count it was, not refused as a user's "1"."""
+    model, samples, kwargs = _sweep_setup(tiny_tokenizer, tmp_path)
+    kwargs["budgets"] = [Budget(1)]
+    run_sweep(model, tiny_tokenizer, samples[:1], _score, **kwargs)
+    rows = run_sweep(model, tiny_tokenizer, samples[:2], _score, **kwargs)  # resumes: sample 1 only
+    assert [(r.index, r.method, r.budget) for r in rows] == [(1, "full", 1.0), (1, "snapkv", 1)]

@@ -230,7 +230,7 @@ def _run(
     for prefix_ids, suffix_ids in encoded:  # every prompt fits the model, checked before any prefill
         check_length(model.config, len(prefix_ids) + len(suffix_ids), "prompt length")
     eos = tokenizer.eos_token_id
-    for name in methods_:  # every method is checked against the model before the first prefill (full's included)
+    for name in methods_:  # every compressing method is checked against the model before the first prefill
         if name != "full":
             make_compressor(model, name, parsed_budget, **options)
     results: list[RunResult] = []

@@ -287,7 +287,7 @@ def needle(
     grids: dict[str, dict] = {}
     for row in rows:
         cell = cells[row.index]
-        grids.setdefault(pair_label(row.method, Budget.parse(row.budget)), {})[(cell.length, cell.depth)] = row.score
+        grids.setdefault(pair_label(row.method, Budget(row.budget)), {})[(cell.length, cell.depth)] = row.score
     for label, scores in grids.items():
         path = folder / f"heatmap_{label.replace('@', '_')}.png"
         plot_heatmap(scores, path, f"{label} · {Path(model).name} · question-{regime}")

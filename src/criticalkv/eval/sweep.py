@@ -330,7 +330,7 @@ def _answered(path: Path, regime: str) -> dict[tuple[str, int], set[str]]:
     seen: dict[tuple[str, int], set[str]] = {}
     for row in rows:
         if row["regime"] == regime:
-            label = pair_label(row["method"], Budget.parse(row["budget"]))
+            label = pair_label(row["method"], Budget(row["budget"]))  # as stored: Budget(1) too
             seen.setdefault((row["task"], row["index"]), set()).add(label)
     return seen
 

@@ -407,13 +407,6 @@ def _closest_preset(name: str) -> str:
     return f" Did you mean '{close[0]}'?" if close else ""
 
 
-def _under_a_local_folder(name: str) -> bool:
-    """``models/nope`` where ``models/`` is a folder here: a mistyped local path rather than a hub id (``org/name``),
-    refused at once instead of after the hub's retries."""
-    first = Path(name).parts[0] if Path(name).parts else ""
-    return len(Path(name).parts) > 1 and Path(first).is_dir()
-
-
 def load_model(
     name_or_path: str = DEFAULT_PRESET,
     dtype: torch.dtype | str = "auto",
@@ -463,7 +456,7 @@ def load_model(
         if not (folder / "config.json").is_file():
             raise CriticalKVError(f"'{folder}' is not a model folder (no config.json inside).")
         source = str(folder)
-    elif name_or_path.startswith(("/", ".", "~")) or _under_a_local_folder(name_or_path):
+    elif name_or_path.startswith(("/", ".", "~")):
         raise CriticalKVError(f"No such model folder: '{name_or_path}'. Presets: {', '.join(PRESETS)}.")
     else:
         source = name_or_path  # hub id

@@ -63,17 +63,20 @@ def refuse_nesting(model: PreTrainedModel) -> None:
         raise CacheStateError("this model is already inside criticalkv.compress(...); blocks do not nest")
 
 
-def check_compressible(model: PreTrainedModel, method: Method) -> None:
+def check_compressible(model: PreTrainedModel, method: Method | None) -> None:
     """Refuse, before any forward, a model ``method`` cannot compress: an unsupported family, a model whose every
     attention layer is a sliding-window one (nothing to compress), or sliding-window layers with a scorer that
-    cannot run beside them (``supports_sliding_windows = False``: reconstruction)."""
+    cannot run beside them (``supports_sliding_windows = False``: reconstruction). None (the full cache, in a
+    ``SharedPrefill``): the family alone."""
     check_supported(model.config)
+    if method is None:
+        return
     kinds, kwargs = layer_types(model.config)
-    windows = sorted({k["sliding_window"] for k in kwargs if k.get("sliding_window") is not None})
+    windows = sorted({k["sliding_window"] for k in kwargs if k.get("sliding_window") is not None}) or ["?"]
     positions = getattr(text_config(model.config), "max_position_embeddings", None)
     if "full_attention" not in kinds:
         raise UnsupportedModelError(
-            f"every attention layer of this model is a sliding-window layer (a window of {windows} tokens over "
+            f"every attention layer of this model is a sliding-window layer (a window of {windows[0]} tokens over "
             f"{positions} positions, as in Phi-3-mini-4k or Mistral-7B-v0.1): criticalkv compresses full-attention "
             "layers only, so there is nothing to compress"
         )

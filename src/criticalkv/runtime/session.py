@@ -45,7 +45,7 @@ def warn_unmasked_padding(model: PreTrainedModel, input_ids: torch.Tensor, atten
         warnings.warn(
             f"a row of the batch starts with the pad token ({pad}) and no attention_mask was given: padding is "
             "read as context; pass the tokenizer's attention_mask",
-            stacklevel=3,
+            stacklevel=4,  # the caller of prefill, past torch.no_grad's wrapper
         )
 
 

@@ -17,7 +17,14 @@ from transformers import PreTrainedModel
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer
 from criticalkv.methods import build_method
-from criticalkv.runtime.compressor import Compressor, LayerRecord, PendingLayer, apply_shrink, prefill_view
+from criticalkv.runtime.compressor import (
+    Compressor,
+    LayerRecord,
+    PendingLayer,
+    apply_shrink,
+    check_compressible,
+    prefill_view,
+)
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.session import ContextSession, warn_unmasked_padding
 
@@ -62,6 +69,8 @@ class SharedPrefill(Compressor):
             raise ValueError("target labels must be unique")
         first = next((t.method for t in built if t.method is not None), None)
         super().__init__(model, first, Budget(1.0))
+        for target in built:  # every target before the prefill (the Compressor checked the first that compresses)
+            check_compressible(model, target.method)
         self.targets = built
 
     @torch.no_grad()

@@ -51,9 +51,24 @@ def screen_kind(values: torch.Tensor) -> str | None:
     on_cpu = values.device.type == "cpu"
     if values.dtype == torch.bfloat16 and (values.is_cuda or (on_cpu and cpu_multiplies_bfloat16())):
         return "bfloat16"
-    if on_cpu and torch.get_float32_matmul_precision() == "highest":
-        return "l2"  # "high" / "medium" may multiply float32 in bfloat16 on a CPU (oneDNN): no bound then
+    if on_cpu and cpu_multiplies_float32_exactly():
+        return "l2"
     return None
+
+
+def cpu_multiplies_float32_exactly() -> bool:
+    """Whether torch multiplies float32 matrices on a CPU in float32 itself: oneDNN's matmul precision, from its most
+    specific setting that is not "none" (``torch.backends.mkldnn.matmul.fp32_precision``, then ``mkldnn``'s, then
+    ``torch.backends``'), is "ieee" or unset. "bf16" or "tf32" (also what ``set_float32_matmul_precision("high" /
+    "medium")`` sets) round the products: no bound holds then. A torch without these settings reads the older one."""
+    backends = torch.backends
+    if not hasattr(backends.mkldnn, "matmul"):  # torch before the fp32_precision settings
+        return torch.get_float32_matmul_precision() == "highest"
+    for setting in (backends.mkldnn.matmul, backends.mkldnn, backends):
+        value = getattr(setting, "fp32_precision", "none")
+        if value != "none":
+            return value == "ieee"
+    return True
 
 
 def cpu_multiplies_bfloat16() -> bool:
@@ -77,23 +92,30 @@ def l2_norm_bounds(values: torch.Tensor, o_proj_weight: torch.Tensor) -> tuple[t
 
     With ``y = V_i F_g`` and ``p = sum_k |V_ik| ||W^g_k||_2 <= ||V_i||_2 ||W^g||_F`` (F's rows have the norms of
     W^g's), float32 products put ``y`` within ``(d + 1) u p`` of exact (u = 2^-24; F rounded to float32 adds the 1,
-    its float64 errors far less), its norm within ``d u`` of its
-    own, and the float32 norm within ``hidden u N + d u sqrt(hidden) p`` of exact (``sum_j |V_i W^g_j|`` <=
-    ``sqrt(hidden) p``), so ``N <= sqrt(hidden) mean_g (||y|| (1 + rel) + abs ||V_i||_2 ||W^g||_F)`` with
-    ``rel = (d + hidden) u`` and ``abs = (2d + 1) u``, both taken 4 times over.
+    its float64 errors far less), its norm within ``d u`` of its own, and the float32 norm within
+    ``hidden u N + d u sqrt(hidden) p`` of exact (``sum_j |V_i W^g_j|`` <= ``sqrt(hidden) p``), so
+    ``N <= sqrt(hidden) mean_g (||y|| (1 + rel) + abs ||V_i||_2 ||W^g||_F)`` with ``rel = (d + hidden) u`` and
+    ``abs = (2d + 1) u``, both taken 4 times over. Each row of V and each head's F are scaled to a largest entry
+    of 1 first (the scales multiply back in float64), so nothing underflows in the bound; the norm's own products
+    may (values near 1e-20 and below): each is then within 2^-126 of exact, and ``floor`` adds that for all of them.
     """
     b, h_kv, t, d = values.shape
     hidden = o_proj_weight.shape[0]
-    factors, frobenius = _l2_factors(o_proj_weight, h_kv, d)  # (h_kv, d, G * d), (h_kv, 1) mean_g ||W^g||_F
+    # (h_kv, d, G * d) with largest entry 1 per KV head, that scale (h_kv,) float64, (h_kv,) mean_g ||W^g||_F / scale
+    factors, factor_scale, frobenius = _l2_factors(o_proj_weight, h_kv, d)
     g = o_proj_weight.shape[1] // (h_kv * d)
     rel, abs_ = 4 * (d + hidden) * _UNIT, 4 * (2 * d + 1) * _UNIT
+    floor = 4 * hidden * (2 * d + 1) * torch.finfo(torch.float32).tiny
     high = values.new_empty((b, h_kv, t), dtype=torch.float32)
     chunk = max(1, _L2_CHUNK_ELEMENTS // max(1, b * h_kv * factors.shape[-1]))
     for start in range(0, t, chunk):
         v = values[:, :, start : start + chunk].float()  # (b, h_kv, c, d)
-        l2 = torch.matmul(v, factors).view(b, h_kv, v.shape[2], g, -1).square().sum(-1).sqrt()  # (b, h_kv, c, G)
-        spread = v.square().sum(-1).sqrt() * frobenius  # (b, h_kv, c)
-        high[:, :, start : start + chunk] = (l2.mean(-1) * (1 + rel) + abs_ * spread) * math.sqrt(hidden)
+        scale = v.abs().amax(-1)  # (b, h_kv, c)
+        unit = v / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]  # largest entry of each row: 1 (or 0)
+        l2 = torch.matmul(unit, factors).view(b, h_kv, v.shape[2], g, -1).square().sum(-1).sqrt()  # (b, h_kv, c, G)
+        bound = l2.mean(-1) * (1 + rel) + abs_ * unit.square().sum(-1).sqrt() * frobenius[:, None]  # (b, h_kv, c)
+        scaled = bound.double() * scale.double() * factor_scale[:, None] * math.sqrt(hidden) + floor
+        high[:, :, start : start + chunk] = scaled.float()
     return torch.zeros_like(high), high
 
 
@@ -226,21 +248,22 @@ def _abs_row_sums(o_proj_weight: torch.Tensor, h_kv: int, d: int) -> torch.Tenso
     return _per_weight(o_proj_weight, ("abs_row_sums", h_kv, d), compute)
 
 
-def _l2_factors(o_proj_weight: torch.Tensor, h_kv: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _l2_factors(o_proj_weight: torch.Tensor, h_kv: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For the l2 bracket, from o_proj_weight (hidden, h_q * d): each query head's F_g with ``F_g F_g^T = W^g W^g^T``
-    (``U sqrt(L)`` from the Gram matrix's eigendecomposition in float64), side by side per KV head, (h_kv, d, G * d)
-    float32, and the group's mean
-    Frobenius norm ``mean_g ||W^g||_F``, (h_kv, 1) float32; kept per weight (``_per_weight``)."""
+    (``U sqrt(L)`` from the Gram matrix's eigendecomposition in float64), side by side per KV head and scaled to a
+    largest entry of 1, (h_kv, d, G * d) float32; that scale, (h_kv,) float64; and the group's mean Frobenius norm
+    ``mean_g ||W^g||_F`` over the scale, (h_kv,) float32. Kept per weight (``_per_weight``)."""
 
-    def compute() -> tuple[torch.Tensor, torch.Tensor]:
+    def compute() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden, g = o_proj_weight.shape[0], o_proj_weight.shape[1] // (h_kv * d)
         heads = o_proj_weight.double().view(hidden, h_kv, g, d).permute(1, 2, 3, 0)  # (h_kv, G, d, hidden): W^g
         gram = heads @ heads.transpose(-1, -2)  # (h_kv, G, d, d): W^g W^g^T, positive semi-definite
         eigenvalues, eigenvectors = torch.linalg.eigh(gram)  # (h_kv, G, d), (h_kv, G, d, d)
         factor = eigenvectors * eigenvalues.clamp(min=0).sqrt()[..., None, :]  # F F^T = gram: ||V F|| = ||V W^g||
         factors = factor.permute(0, 2, 1, 3).reshape(h_kv, d, g * d)  # (h_kv, d, G * d)
-        frobenius = heads.square().sum((2, 3)).sqrt().mean(1, keepdim=True)  # (h_kv, 1)
-        return factors.float(), frobenius.float()
+        scale = factors.abs().amax((1, 2)).clamp(min=torch.finfo(torch.float64).tiny)  # (h_kv,)
+        frobenius = heads.square().sum((2, 3)).sqrt().mean(1) / scale  # (h_kv,)
+        return (factors / scale[:, None, None]).float(), scale, frobenius.float()
 
     return _per_weight(o_proj_weight, ("l2_factors", h_kv, d), compute)
 

@@ -9,6 +9,9 @@ import torch
 # with CPU-sized chunks an 8B model at 32k tokens would launch hundreds of thousands of tiny products.
 _CHUNK_ELEMENTS = 512 * 1024
 _CHUNK_ELEMENTS_CUDA = 64 * 1024 * 1024
+# Fewest rows a product is computed with: on a CPU the norms of a row then come out the same bits whether the row is
+# computed among all of a head's or among a few gathered ones (the value-norm screen; tests/test_norm_screen.py).
+_MIN_ROWS = 16
 
 
 def projected_value_norm(
@@ -45,7 +48,11 @@ def projected_value_norm(
     out = values.new_empty((b, h_kv, g, t) if per_head else (b, h_kv, t), dtype=torch.float32)
     for start in range(0, t, chunk):
         v = values[:, :, start : start + chunk].to(dtype)  # (b, h_kv, c, d)
-        projected = torch.matmul(v, w)  # (b, h_kv, c, G*hidden)
+        c = v.shape[2]
+        if c < _MIN_ROWS:  # a short product may take another kernel (one row: a matrix-vector product) summing in
+            # another order: padded with zero rows, every row is computed as in a long product, whatever rows share it
+            v = torch.cat([v, v.new_zeros(b, h_kv, _MIN_ROWS - c, d)], dim=2)
+        projected = torch.matmul(v, w)[:, :, :c]  # (b, h_kv, c, G*hidden)
         # abs in place + sum is about 3x faster than linalg.vector_norm(ord=1) on CPU; the sum accumulates in float32
         norms = projected.abs_().view(b, h_kv, -1, g, hidden).sum(-1, dtype=torch.float32)  # (b, h_kv, c, G)
         if per_head:
