@@ -407,14 +407,21 @@ def test_prefill_operator_count_sees_compression_and_host_reads(tiny_tokenizer) 
     # many entries), the padding, and the top-k width; with every head keeping its row's budget the width is the
     # same in every layer, and the kept entries are gathered without counting them
     assert snap["prefill_host_reads"] == 4
-    # CriticalKV (float32: no screen): both stages' top-k widths once per forward (one Tensor.tolist, which
-    # dispatches no operator: counted by wrapping it), none per layer: SnapKV's scores are attention probabilities,
-    # non-negative by construction, so their sign is not checked
-    with criticalkv.compress(model, "critical-snapkv", 0.5):
+    # CriticalKV without its value-norm screen (as on a GPU with float32 values): both stages' top-k widths once per
+    # forward (one Tensor.tolist, which dispatches no operator: counted by wrapping it), none per layer: SnapKV's
+    # scores are attention probabilities, non-negative by construction, so their sign is not checked
+    with criticalkv.compress(model, "critical-snapkv", 0.5, screen=False):
         critical = count_prefill_ops(model, ids, DynamicCache(config=config))
     assert critical["prefill_host_reads"] == 4
+    # the l2 screen, which runs on CPUs only (where a host read waits for nothing), reads per layer which entries of
+    # each head it computes: two reads for the heads (their positions and that list) and one per head, in each of
+    # its two rounds
+    with criticalkv.compress(model, "critical-snapkv", 0.5):
+        screened = count_prefill_ops(model, ids, DynamicCache(config=config))
+    h_kv = config.num_key_value_heads
+    assert screened["prefill_host_reads"] == 4 + 2 * (2 + h_kv) * config.num_hidden_layers
     # a scorer that does not declare its scores non-negative has them checked: one read per layer
-    unchecked = criticalkv.Method(_UndeclaredSnapKV(), selector=criticalkv.selectors.CriticalSelector())
+    unchecked = criticalkv.Method(_UndeclaredSnapKV(), selector=criticalkv.selectors.CriticalSelector(screen=False))
     with criticalkv.compress(model, unchecked, 0.5):
         checked = count_prefill_ops(model, ids, DynamicCache(config=config))
     assert checked["prefill_host_reads"] == 4 + config.num_hidden_layers
