@@ -61,8 +61,9 @@ def main() -> None:
         return screened_top(*args, **kwargs)
 
     def noting(values: torch.Tensor) -> str | None:
-        kinds.add(screen_kind(values))
-        return screen_kind(values)
+        kind = screen_kind(values)
+        kinds.add(kind)
+        return kind
 
     norm_screen._rank_exactly, critical_module.take_top_by_value_norm = counting, per_layer
     critical_module.screen_kind = noting

@@ -52,15 +52,18 @@ def _chosen_scores(keep: torch.Tensor, scores: torch.Tensor) -> list[list[list[f
     return [[sorted(scores[i, j][keep[i, j]].tolist()) for j in range(keep.shape[1])] for i in range(keep.shape[0])]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
+# a layer's shape and its values' spread in orders of magnitude, for the brackets' hypothesis tests
+_LAYERS = dict(
     seed=st.integers(0, 10_000),
     h_kv=st.integers(1, 3),
     g=st.integers(1, 4),
     d=st.sampled_from([4, 16, 64]),
-    hidden=st.integers(8, 96),
     spread=st.floats(0.0, 12.0),
 )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**_LAYERS, hidden=st.integers(8, 96))
 def test_bfloat16_norms_lie_within_the_screen_bound(seed, h_kv, g, d, hidden, spread):
     gen = torch.Generator().manual_seed(seed)
     values, weight = _bf16_layer(gen, 2, h_kv, g, 40, d, hidden, spread)
@@ -73,15 +76,7 @@ def test_bfloat16_norms_lie_within_the_screen_bound(seed, h_kv, g, d, hidden, sp
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    seed=st.integers(0, 10_000),
-    h_kv=st.integers(1, 3),
-    g=st.integers(1, 4),
-    d=st.sampled_from([4, 16, 64]),
-    hidden=st.integers(2, 96),
-    spread=st.floats(0.0, 12.0),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
-)
+@given(**_LAYERS, hidden=st.integers(2, 96), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
 def test_l2_bracket_holds_and_is_the_l2_norm_bound(seed, h_kv, g, d, hidden, spread, dtype):
     """Every float32 norm lies below the l2 bracket's upper bound, which is sqrt(hidden) ||V W^g||_2 (in float64,
     from the weight itself rather than its Gram factor) averaged over the group, up to its rounding slack; also with

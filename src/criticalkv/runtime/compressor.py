@@ -72,9 +72,9 @@ def check_compressible(model: PreTrainedModel, method: Method | None) -> None:
     if method is None:
         return
     kinds, kwargs = layer_types(model.config)
-    windows = sorted({k["sliding_window"] for k in kwargs if k.get("sliding_window") is not None}) or ["?"]
-    positions = getattr(text_config(model.config), "max_position_embeddings", None)
     if "full_attention" not in kinds:
+        windows = sorted({k["sliding_window"] for k in kwargs if k.get("sliding_window") is not None}) or ["?"]
+        positions = getattr(text_config(model.config), "max_position_embeddings", None)
         raise UnsupportedModelError(
             f"every attention layer of this model is a sliding-window layer (a window of {windows[0]} tokens over "
             f"{positions} positions, as in Phi-3-mini-4k or Mistral-7B-v0.1): criticalkv compresses full-attention "

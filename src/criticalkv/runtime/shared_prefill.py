@@ -69,7 +69,7 @@ class SharedPrefill(Compressor):
             raise ValueError("target labels must be unique")
         first = next((t.method for t in built if t.method is not None), None)
         super().__init__(model, first, Budget(1.0))
-        for target in built:  # every target before the prefill (the Compressor checked the first that compresses)
+        for target in built:  # every target, before the prefill
             check_compressible(model, target.method)
         self.targets = built
 
