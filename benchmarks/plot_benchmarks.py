@@ -26,6 +26,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from criticalkv.palette import distinct_colours
+
 MIB = 2**20
 CLOCKS = {  # --clock -> (time to first token key, decode key, label)
     "cpu": ("ttft_cpu_seconds", "decode_cpu_ms_per_token_median", "CPU time"),
@@ -46,8 +48,10 @@ def _series(summary: list[dict], method: str, system: str, key: str, scale: floa
 
 def _against_length(summary: list[dict], panels: list[tuple[str, str, float]], title: str, path: Path) -> None:
     """One panel per (key, y label, scale): every method, criticalkv solid, kvpress dashed."""
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2))
-    colors = dict(zip(_methods(summary), plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    fig, grid = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    axes = grid[0]
+    methods = _methods(summary)
+    colors = dict(zip(methods, distinct_colours(len(methods)), strict=True))
     for ax, (key, y_label, scale) in zip(axes, panels, strict=True):
         for method, color in colors.items():
             for system, (line, marker) in SYSTEM_STYLE.items():

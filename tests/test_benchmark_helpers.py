@@ -171,6 +171,23 @@ def test_a_report_of_criticalkv_alone_gets_one_row_and_one_bar_per_preset(tmp_pa
     assert (tmp_path / "t_presets.png").exists() and not (tmp_path / "t_time.png").exists()
 
 
+def test_line_plots_draw_every_method_in_its_own_colour(tmp_path: Path, monkeypatch) -> None:
+    """Twelve methods on both systems: 24 lines, 12 colours (matplotlib's default cycle has 10)."""
+    import plot_benchmarks
+
+    methods = [f"m{i}" for i in range(12)]
+    runs = [_run(system, m, 1.0 + i, 100) for i, m in enumerate(methods) for system in ("ours", "kvpress")]
+    summary = summarise(runs, [1024], methods, ["ours", "kvpress"])
+    drawn = []
+    monkeypatch.setattr(plot_benchmarks.plt, "close", drawn.append)
+    plot_benchmarks._against_length(summary, [("kv_bytes", "KV", 1.0)], "t", tmp_path / "kv.png")
+    lines = drawn[0].axes[0].get_lines()
+    assert sorted(line.get_label() for line in lines) == sorted(
+        f"{m} ({plot_benchmarks.SYSTEM_NAME[s]})" for m in methods for s in ("ours", "kvpress")
+    )
+    assert len({line.get_color() for line in lines}) == 12
+
+
 def test_kvpress_hook_clock_sums_the_hooks_time_and_passes_their_results() -> None:
     """kvpress's side: ``HookClock`` wraps a press's ``forward_hook`` (no kvpress needed: any object with one)."""
     from speed_kvpress import HookClock

@@ -346,6 +346,15 @@ def test_missing_tokenizer_is_a_clear_error():
         ContextSession(model, "reconstruct", 0.3).prefill(ids, mask)
 
 
+def test_another_models_tokenizer_is_a_clear_error(tiny_tokenizer):
+    model = _model()
+    model.resize_token_embeddings(64)  # the tiny tokenizer's repeat request writes ids beyond 64
+    ids, mask = _batch([torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(11)).tolist()])
+    session = ContextSession(model, build_method("reconstruct", tokenizer=tiny_tokenizer), 0.3)
+    with pytest.raises(CriticalKVError, match="not this model's tokenizer"):
+        session.prefill(ids, mask)
+
+
 @pytest.mark.parametrize("preset", ["reconstruct", "critical-layer-reconstruct"])
 @pytest.mark.parametrize("budget", [0.3, 1.0])
 def test_sliding_window_models_are_refused_before_any_forward(tiny_tokenizer, preset, budget):

@@ -12,6 +12,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
+from criticalkv.palette import distinct_colours
+
 __all__ = ["file_stem", "plot_hidden", "plot_layers", "plot_ratio_heatmap", "plot_ratio_histogram"]
 
 
@@ -72,10 +74,11 @@ def plot_layers(
     budgets = list(next(iter(per_layer.values())).keys())
     rows, cols = _columns(len(budgets))
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    colours = distinct_colours(len(per_layer))
     for ax, budget in zip(axes.flat, budgets, strict=False):
-        for method, by_budget in per_layer.items():
+        for (method, by_budget), colour in zip(per_layer.items(), colours, strict=True):
             y = np.asarray(by_budget[budget], dtype=np.float64)
-            ax.plot(layers, np.where(y > 0, y, np.nan), marker="o", ms=3, lw=1.2, label=method)
+            ax.plot(layers, np.where(y > 0, y, np.nan), marker="o", ms=3, lw=1.2, color=colour, label=method)
         ax.set_yscale("log")
         ax.set_xlabel("layer")
         ax.set_ylabel(ylabel, fontsize=8)
@@ -123,10 +126,10 @@ def plot_hidden(hidden: Mapping[str, Mapping[str, float]], path: Path, title: st
     """Last-layer hidden-state perturbation against the budget, one line per method.
     ``hidden[method][budget]`` is the mean L1 distance to the full-cache run."""
     fig, ax = plt.subplots(figsize=(5, 3.4))
-    for method, by_budget in hidden.items():
+    for (method, by_budget), colour in zip(hidden.items(), distinct_colours(len(hidden)), strict=True):
         budgets = list(by_budget)
         x = [float(b) for b in budgets]
-        ax.plot(x, [by_budget[b] for b in budgets], marker="o", label=method)
+        ax.plot(x, [by_budget[b] for b in budgets], marker="o", color=colour, label=method)
     ax.set_xlabel("budget")
     ax.set_ylabel("mean L1 of last hidden state vs full")
     ax.set_yscale("log")

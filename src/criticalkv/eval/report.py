@@ -8,11 +8,11 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
-import matplotlib
 from matplotlib.figure import Figure
 
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.sweep import Row, load_rows, stored_settings
+from criticalkv.palette import distinct_colours
 
 
 def summarise(rows: list[Row]) -> dict:
@@ -167,11 +167,11 @@ def _plot_regime(summary: dict, regime: str, path: Path) -> None:
     ax = fig.subplots()
     methods = sorted({e["method"] for e in rows if e["method"] != "full"}, key=lambda m: (_base(m), m))
     bases = list(dict.fromkeys(_base(m) for m in methods))  # a method and its CriticalKV version share a colour
-    palette = matplotlib.colormaps["tab10" if len(bases) <= 10 else "tab20"]
+    colours = distinct_colours(len(bases))
     for method in methods:
         points = sorted((float(e["budget"]), e["mean"]) for e in rows if e["method"] == method)
         style = "-" if method.startswith("critical-") else "--"
-        color = palette(bases.index(_base(method)) % palette.N)
+        color = colours[bases.index(_base(method))]
         ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", color=color, label=method)
     if full is not None:
         ax.axhline(full, color="black", linewidth=1, label="full cache")

@@ -361,6 +361,7 @@ class ReconstructionScorer:
         t = ids.shape[1]
         mask = torch.ones_like(ids) if context.attention_mask is None else context.attention_mask
         prompt = RepeatPrompt.from_tokenizer(self._resolve_tokenizer(context.model))
+        _check_vocabulary(prompt, context.model)
         inputs = reconstruction_inputs(ids, mask, prompt, self.chunk_size, self.sinks)
         probe = MaxAttentionProbe(t, self.query_stride)
         context.compressor.attention_probe = probe
@@ -394,6 +395,18 @@ class ReconstructionScorer:
             )
             scores.append(_with_protected_at_top(layer_scores, inputs.protected, view.valid))
         return scores, inputs.protected
+
+
+def _check_vocabulary(prompt: RepeatPrompt, model: nn.Module) -> None:
+    """Refuse a tokenizer whose repeat prompt holds ids the model has no embedding for (another model's)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embedding, "num_embeddings", None)  # None on a pipeline stage without the embedding
+    largest = max((*prompt.template_start, *prompt.first_request, *prompt.next_request, *prompt.turn_end), default=-1)
+    if rows is not None and largest >= rows:
+        raise CriticalKVError(
+            f"the reconstruction scorer's tokenizer writes token id {largest}, beyond the model's {rows} embeddings: "
+            "it is not this model's tokenizer; pass tokenizer=<the model's folder or tokenizer object>"
+        )
 
 
 def _with_protected_at_top(scores: torch.Tensor, protected: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
