@@ -374,5 +374,5 @@ def test_eval_needle_draws_a_heatmap_per_method_and_budget(tiny_tokenizer, tmp_p
     heatmaps = json.loads((out / "heatmaps.json").read_text())
     assert set(heatmaps) == {"full", "snapkv:window=4@0.25", "snapkv:window=4@0.5"}
     assert all(set(cells) == {"200@0.0", "200@1.0"} for cells in heatmaps.values())
-    for label in heatmaps:
-        assert (out / f"heatmap_{label.replace('@', '_')}.png").stat().st_size > 1000, label
+    for name in ("full", "snapkv_window_4_0.25", "snapkv_window_4_0.5"):  # file names without ':', '=' or '@'
+        assert (out / f"heatmap_{name}.png").stat().st_size > 1000, name

@@ -238,6 +238,7 @@ def needle(
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
 ) -> None:
     """Needle in a haystack over depths x lengths: one heatmap per method and budget."""
+    from criticalkv.analysis.plots import file_stem
     from criticalkv.eval.needle_grid import check_grid, needle_grid, plot_heatmap
 
     try:
@@ -289,7 +290,7 @@ def needle(
         cell = cells[row.index]
         grids.setdefault(pair_label(row.method, Budget(row.budget)), {})[(cell.length, cell.depth)] = row.score
     for label, scores in grids.items():
-        path = folder / f"heatmap_{label.replace('@', '_')}.png"
+        path = folder / f"heatmap_{file_stem(label)}.png"  # the spec's ':', '=', '/' and the '@' as '_'
         plot_heatmap(scores, path, f"{label} · {Path(model).name} · question-{regime}")
         console.print(f"wrote {path}")
     (folder / "heatmaps.json").write_text(
