@@ -21,18 +21,21 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^ *```[a-z]*\n(.*?)^ *```", re.MULTILINE | re.DOTALL)
 INDENTED = re.compile(r"^\n(    \S.*\n(?:    .*\n)*)", re.MULTILINE)  # a Markdown code block by indentation
+INLINE = re.compile(r"`((?:criticalkv|\./ckv|python benchmarks/)[^`]*)`")  # a command in the prose
 ENV = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 CLI = typer.main.get_command(app)
 
 
-def _commands(page: Path) -> list[list[str]]:
-    """The token lists of a page's code-block commands: continuations joined, comments and env settings dropped."""
+def _commands_of(text: str) -> list[list[str]]:
+    """The token lists of a page's commands (code blocks, and code spans in the prose that start as a command):
+    continuations joined, comments and env settings dropped."""
     commands = []
-    text = page.read_text()
-    for block in BLOCK.findall(text) + [textwrap.dedent(b) for b in INDENTED.findall(text)]:
+    blocks = BLOCK.findall(text) + [textwrap.dedent(b) for b in INDENTED.findall(text)]
+    blocks += [span.replace("\n", " ") for span in INLINE.findall(text)]
+    for block in blocks:
         for line in block.replace("\\\n", " ").splitlines():
             try:
-                tokens = shlex.split(line, comments=True)
+                tokens = _shell_words(line)
             except ValueError:  # not shell (a Python snippet or output)
                 continue
             while tokens:
@@ -44,6 +47,13 @@ def _commands(page: Path) -> list[list[str]]:
                     commands.append(words)
                 tokens = tokens[cut + 1 :]
     return commands
+
+
+def _shell_words(line: str) -> list[str]:
+    """``line``'s words as a shell reads them, with ``;`` ``&&`` ``|`` as words of their own even when unspaced."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+    lexer.whitespace_split = True
+    return list(lexer)
 
 
 def _cli_arguments(words: list[str]) -> list[str] | None:
@@ -66,7 +76,11 @@ def _cli_problems(arguments: list[str]) -> list[str]:
     while i < len(arguments):
         word = arguments[i]
         name = word.split("=")[0]
-        if word.startswith("--"):
+        if hasattr(command, "commands") and (word == "..." or word.startswith("<")):
+            break  # a placeholder for a command ("eval ...", "<command>"): its options are unknown here
+        if word == "--help":
+            pass  # every command has it
+        elif word.startswith("--"):
             param = _option(command, name)
             if param is None:
                 problems.append(f"{command.name}: no option {name}")
@@ -75,7 +89,7 @@ def _cli_problems(arguments: list[str]) -> list[str]:
                 problems += _method_problems(arguments[i]) if name in ("--method", "--methods") else []
         elif word in getattr(command, "commands", {}):
             command = command.commands[word]
-        elif hasattr(command, "commands") and word != "...":
+        elif hasattr(command, "commands"):
             problems.append(f"{command.name}: no command {word}")
         i += 1
     return problems
@@ -111,7 +125,7 @@ def _script_problems(words: list[str]) -> list[str]:
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_documented_commands_exist(page):
     problems = []
-    for words in _commands(page):
+    for words in _commands_of(page.read_text()):
         arguments = _cli_arguments(words)
         found = _cli_problems(arguments) if arguments is not None else _script_problems(words)
         problems += [f"{' '.join(words)[:100]}: {p}" for p in found]
@@ -119,7 +133,7 @@ def test_documented_commands_exist(page):
 
 
 def test_the_pages_show_commands():
-    commands = [words for page in PAGES for words in _commands(page)]
+    commands = [words for page in PAGES for words in _commands_of(page.read_text())]
     assert sum(_cli_arguments(w) is not None for w in commands) > 20
     assert sum(bool(w) and w[0].endswith("python") and "benchmarks/" in " ".join(w) for w in commands) > 20
 
@@ -128,6 +142,12 @@ def test_a_wrong_option_or_method_is_caught():
     assert _cli_problems(["eval", "ruler", "--methodz", "snapkv"]) == ["ruler: no option --methodz"]
     assert _cli_problems(["run", "--method", "snapkv:windw=3"])
     assert _cli_problems(["evaluate"]) == [": no command evaluate"]
+    assert _cli_problems(["eval", "...", "--anything"]) == []  # a placeholder command: nothing known to check
+    assert _commands_of("Run `criticalkv evl ruler`; then `./ckv run --methodz x; ./ckv run`.\n") == [
+        ["criticalkv", "evl", "ruler"],
+        ["./ckv", "run", "--methodz", "x"],
+        ["./ckv", "run"],
+    ]
     assert _script_problems(["python", "benchmarks/speed_memory.py", "--lenghts", "2048"]) == [
         "benchmarks/speed_memory.py: no option --lenghts"
     ]
