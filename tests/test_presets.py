@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import socket
 import sys
 import time
+import urllib.request
 from dataclasses import replace
 from importlib.machinery import ModuleSpec
 from importlib.util import find_spec
@@ -259,6 +261,37 @@ def test_a_hub_id_that_cannot_be_fetched_is_one_clear_error(monkeypatch: pytest.
     assert "Did you mean" not in str(err.value)
     with pytest.raises(CriticalKVError, match="Did you mean 'smollm2-135m'"):
         load_model("smollm2-135")
+
+
+def test_an_unreachable_hub_fails_at_once_from_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without HF_HUB_OFFLINE, an offline machine retried a hub id for about 30 s; now the cache is asked alone."""
+    import criticalkv.models.presets as presets
+
+    monkeypatch.setattr(presets, "hub_reachable", lambda: False)
+    start = time.monotonic()
+    with pytest.raises(CriticalKVError, match=r"not in the local cache \(the model hub is unreachable\)"):
+        load_model("some-org/not-a-model")
+    assert time.monotonic() - start < 5
+
+
+def test_hub_reachable_asks_the_hubs_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants
+
+    from criticalkv.models.hub import hub_reachable
+
+    monkeypatch.setattr(urllib.request, "getproxies", dict)  # no proxy in the environment
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+        assert hub_reachable()
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        assert not hub_reachable()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    assert not hub_reachable()  # the port is closed now
+    monkeypatch.setattr(urllib.request, "getproxies", lambda: {"https": "http://proxy:3128"})
+    assert hub_reachable()  # the proxy reaches the hub, not this machine
 
 
 def test_a_folder_without_weights_or_tokenizer_is_refused_before_loading(tmp_path: Path) -> None:

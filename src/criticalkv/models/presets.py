@@ -34,6 +34,7 @@ from transformers import (
 
 from criticalkv.errors import CriticalKVError
 from criticalkv.models.families import check_supported
+from criticalkv.models.hub import hub_reachable
 
 CACHE_ENV_VAR = "CRITICALKV_CACHE_DIR"
 DEFAULT_PRESET = "smollm2-135m"
@@ -420,7 +421,8 @@ def load_model(
     ----------
     name_or_path : str
         A preset name (see ``list_presets``; converted on first use), a local folder holding
-        ``config.json``, or a hub id (passed to ``from_pretrained``; fails offline).
+        ``config.json``, or a hub id (passed to ``from_pretrained``; when the hub's host cannot be reached, read
+        from the local Hugging Face cache alone, without the download's retries).
     dtype : torch.dtype or str
         ``"auto"`` means bfloat16 for presets and the checkpoint's own dtype otherwise.
     device : str or torch.device
@@ -460,13 +462,16 @@ def load_model(
         raise CriticalKVError(f"No such model folder: '{name_or_path}'. Presets: {', '.join(PRESETS)}.")
     else:
         source = name_or_path  # hub id
+    hub = {} if Path(source).is_dir() or hub_reachable() else {"local_files_only": True}  # offline: the cache only
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, **hub)
     except OSError as err:  # a hub id that cannot be fetched: offline, a typo, a private repository
+        where = "is not in the local cache (the model hub is unreachable)" if hub else "was not given by the model hub"
+        reason = str(err).splitlines()[0].rstrip(".")
         raise CriticalKVError(
-            f"'{name_or_path}' is neither a preset nor a local folder, and the model hub did not give its config "
-            f"({str(err).splitlines()[0]}).{_closest_preset(name_or_path)} Presets: {', '.join(PRESETS)}; or a folder "
-            "with config.json, weights and tokenizer (set HF_HUB_OFFLINE=1 to skip the network retries)."
+            f"'{name_or_path}' is neither a preset nor a local folder, and its config {where}: {reason}."
+            f"{_closest_preset(name_or_path)} Presets: {', '.join(PRESETS)}; or a folder with config.json, weights and "
+            "tokenizer."
         ) from err
     check_supported(config)
     if distributed_config is not None:
@@ -478,12 +483,18 @@ def load_model(
         check_model_files(Path(source))
     if distributed_config is not None:
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch_dtype, attn_implementation=attn_implementation, distributed_config=distributed_config
+            source,
+            dtype=torch_dtype,
+            attn_implementation=attn_implementation,
+            distributed_config=distributed_config,
+            **hub,
         )
-        return model.eval(), AutoTokenizer.from_pretrained(source)
+        return model.eval(), AutoTokenizer.from_pretrained(source, **hub)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation=attn_implementation)
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype, attn_implementation=attn_implementation, **hub
+        )
+        tokenizer = AutoTokenizer.from_pretrained(source, **hub)
     except (OSError, SafetensorError) as err:
         if is_preset:  # a converted folder damaged after its conversion (a truncated copy, a full disk)
             err.add_note(

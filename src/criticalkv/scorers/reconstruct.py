@@ -16,6 +16,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -25,6 +26,7 @@ from transformers.cache_utils import DummyLayer
 
 from criticalkv.cache.compressed_layer import CompressedLayer, as_bool_mask
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
+from criticalkv.models.hub import hub_reachable
 from criticalkv.scorers.base import LayerView
 
 if TYPE_CHECKING:
@@ -249,8 +251,9 @@ def _allowed(mask: torch.Tensor | None, b: int, q: int, n: int, device: torch.de
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer_at(source: str) -> PreTrainedTokenizerBase:
+    offline = not Path(source).is_dir() and not hub_reachable()  # a hub id on an offline machine: the cache only
     try:
-        return AutoTokenizer.from_pretrained(source)
+        return AutoTokenizer.from_pretrained(source, local_files_only=offline)
     except (OSError, ValueError) as error:
         raise CriticalKVError(
             f"the reconstruction scorer builds its repeat prompt with the model's tokenizer, and none loads from "
