@@ -376,3 +376,12 @@ def test_eval_needle_draws_a_heatmap_per_method_and_budget(tiny_tokenizer, tmp_p
     assert all(set(cells) == {"200@0.0", "200@1.0"} for cells in heatmaps.values())
     for name in ("full", "snapkv_window_4_0.25", "snapkv_window_4_0.5"):  # file names without ':', '=' or '@'
         assert (out / f"heatmap_{name}.png").stat().st_size > 1000, name
+
+
+def test_models_lists_the_presets_and_every_supported_family():
+    from criticalkv.models.families import SUPPORTED_FAMILIES
+
+    result = CliRunner().invoke(app, ["models"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    assert "smollm2-135m" in result.output
+    assert all(f"({model_type})" in result.output for model_type in SUPPORTED_FAMILIES)

@@ -16,18 +16,33 @@ import platformdirs
 import pytest
 import torch
 from transformers import (
+    ApertusConfig,
+    ArceeConfig,
+    Cohere2Config,
+    CohereConfig,
+    Ernie4_5Config,
+    Exaone4Config,
     Gemma3Config,
     Gemma3TextConfig,
+    Glm4Config,
+    GlmConfig,
     GPT2Config,
     GraniteConfig,
+    HeliumConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MinistralConfig,
     MistralConfig,
+    MixtralConfig,
     Olmo2Config,
+    Olmo3Config,
+    OlmoConfig,
     Phi3Config,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    SeedOssConfig,
     SmolLM3Config,
 )
 
@@ -317,14 +332,30 @@ FAMILY_CONFIGS = [
     SmolLM3Config(**TINY),
     Olmo2Config(**TINY),
     GraniteConfig(**TINY),
+    MixtralConfig(**TINY),
+    Qwen2MoeConfig(**TINY),
+    MinistralConfig(**TINY),
+    CohereConfig(**TINY),
+    Cohere2Config(**TINY),
+    OlmoConfig(**TINY),
+    Olmo3Config(**TINY),
+    GlmConfig(**TINY, head_dim=32),
+    Glm4Config(**TINY, head_dim=32),
+    Exaone4Config(**TINY),
+    HeliumConfig(**TINY, head_dim=32),
+    SeedOssConfig(**TINY, head_dim=32),
+    Ernie4_5Config(**TINY, head_dim=32),
+    ArceeConfig(**TINY),
+    ApertusConfig(**TINY),
 ]
+HEAD_DIM_SET = ("qwen3", "qwen3_moe", "gemma3_text", "glm", "glm4", "helium", "seed_oss", "ernie4_5")
 
 
 @pytest.mark.parametrize("config", FAMILY_CONFIGS, ids=lambda c: c.model_type)
 def test_supported_families(config) -> None:
     assert check_supported(config) == config.model_type
     assert text_config(config) is config
-    expected = 32 if config.model_type in ("qwen3", "qwen3_moe", "gemma3_text") else 16  # set, else 64 // 4
+    expected = 32 if config.model_type in HEAD_DIM_SET else 16  # set, else 64 // 4
     assert head_dim(config) == expected
 
 
@@ -340,6 +371,21 @@ def test_every_family_is_covered() -> None:
         "smollm3",
         "olmo2",
         "granite",
+        "mixtral",
+        "qwen2_moe",
+        "ministral",
+        "cohere",
+        "cohere2",
+        "olmo",
+        "olmo3",
+        "glm",
+        "glm4",
+        "exaone4",
+        "helium",
+        "seed_oss",
+        "ernie4_5",
+        "arcee",
+        "apertus",
     )
     assert {c.model_type for c in FAMILY_CONFIGS} == set(SUPPORTED_FAMILIES)
 

