@@ -22,11 +22,13 @@ from transformers import (
     CohereConfig,
     Ernie4_5Config,
     Exaone4Config,
+    Gemma2Config,
     Gemma3Config,
     Gemma3TextConfig,
     Glm4Config,
     GlmConfig,
     GPT2Config,
+    GptOssConfig,
     GraniteConfig,
     HeliumConfig,
     LlamaConfig,
@@ -396,6 +398,12 @@ def test_unsupported_family_message() -> None:
     message = str(err.value)
     assert "'gpt2'" in message and all(name in message for name in SUPPORTED_FAMILIES)
     assert isinstance(err.value, CriticalKVError) and isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize(("config", "why"), [(Gemma2Config, "soft-caps"), (GptOssConfig, "sinks")])
+def test_families_with_attention_features_not_implemented_say_which(config, why) -> None:
+    with pytest.raises(UnsupportedModelError, match=why):
+        check_supported(config(**TINY))
 
 
 def test_multimodal_gemma3_refused_with_hint() -> None:

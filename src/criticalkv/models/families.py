@@ -43,6 +43,16 @@ SUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
     }
 )
 
+#: model types refused for a reason beyond "not tested": what their attention does that criticalkv's does not
+NOT_YET: Mapping[str, str] = MappingProxyType(
+    {
+        "gemma2": "Gemma 2 soft-caps its attention logits (tanh), which criticalkv's scorers and its attention over "
+        "compressed caches do not apply yet",
+        "gpt_oss": "gpt-oss adds learned attention sinks to every softmax, which criticalkv's scorers and its "
+        "attention over compressed caches do not apply yet",
+    }
+)
+
 
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
     """Return the decoder text config (the config itself for plain causal LMs).
@@ -89,6 +99,7 @@ def check_supported(config: PretrainedConfig) -> str:
     if model_type in SUPPORTED_FAMILIES:
         return model_type
     supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_FAMILIES.items())
+    reason = f" {NOT_YET[model_type]}." if model_type in NOT_YET else ""
     hint = ""
     inner = getattr(text_config(config), "model_type", None)
     if inner in SUPPORTED_FAMILIES and inner != model_type:
@@ -97,7 +108,7 @@ def check_supported(config: PretrainedConfig) -> str:
             f"model (its config has model_type '{inner}', e.g. via AutoModelForCausalLM on a text checkpoint)."
         )
     raise UnsupportedModelError(
-        f"criticalkv does not support model_type '{model_type}'. Supported families: {supported}.{hint}"
+        f"criticalkv does not support model_type '{model_type}'.{reason} Supported families: {supported}.{hint}"
     )
 
 
