@@ -899,6 +899,31 @@ def test_a_full_cache_session_inside_a_block_is_refused():
         for method in ("critical-adakv", "full"):  # a compressing method too: the Compressor's own check
             with pytest.raises(CacheStateError, match="do not nest"):
                 ContextSession(model, method, budget=0.5)
+    outside = ContextSession(model, "full")  # made outside, used inside: its prefill and answers are refused
+    with criticalkv.compress(model, "critical-snapkv", budget=0.2), pytest.raises(CacheStateError, match="do not nest"):
+        outside.prefill(_ids(30, seed=47))
+    outside.prefill(_ids(30, seed=47))
+    with criticalkv.compress(model, "critical-snapkv", budget=0.2), pytest.raises(CacheStateError, match="do not nest"):
+        outside.ask(_ids(3, seed=48), 2)
+
+
+@pytest.mark.parametrize("method", ["full", "snapkv"])
+def test_a_question_that_does_not_continue_the_context_is_refused(method):
+    """A wrong-length or right-padded question mask, or another batch size, answered wrongly without an error."""
+    model = _model("llama")
+    session = ContextSession(model, method, budget=0.5)
+    session.prefill(_ids(30, seed=46, b=2))
+    question = _ids(4, seed=45, b=2)
+    with pytest.raises(CriticalKVError, match="does not match"):
+        session.ask(question, 2, question_mask=torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(PaddingError, match=r"row 1 .* padding after a real token"):
+        session.ask(question, 2, question_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]))
+    with pytest.raises(PaddingError, match="row 0 of the question has no real token"):
+        session.ask(question, 2, question_mask=torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]]))
+    with pytest.raises(CriticalKVError, match="context's 2 rows"):
+        session.ask(question[:1], 2)
+    left = session.ask(question, 2, question_mask=torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]]))  # left padding: fine
+    assert left.tokens.shape == (2, 2)
 
 
 def test_a_prefill_that_raised_leaves_nothing_for_the_next():

@@ -320,6 +320,9 @@ def test_negative_scores_raise_where_a_selector_multiplies_them():
             Method(scorer, selector=selector).decide(view, Budget(0.5))
     for selector in (TopKSelector(), PerturbationSelector(window=2, start="topk")):
         assert Method(scorer, selector=selector).decide(view, Budget(0.5)).keep.sum(-1).tolist() == [[4, 4]]
+    scores[0, 1, 3] = float("nan")  # NaN compares false with 0: it passed a "< 0" check
+    with pytest.raises(NegativeScoreError, match="negative or NaN"):
+        Method(scorer, selector=CriticalSelector()).decide(view, Budget(0.5))
 
 
 def test_negative_scores_on_padding_or_protected_positions_are_ignored():

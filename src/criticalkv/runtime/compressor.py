@@ -90,7 +90,7 @@ def check_compressible(model: PreTrainedModel, method: Method | None) -> None:
         )
 
 
-def _require_left_padding(valid: torch.Tensor) -> None:
+def require_left_padding(valid: torch.Tensor) -> None:
     """Refuse a row with padding after a real token, valid (b, t) bool: scorers read a row's observation window
     (its last tokens) at the end of the tensor, and the last query's mask row is what tells the real keys."""
     late = valid[:, :-1] & ~valid[:, 1:]  # (b, t-1): a real position followed by padding
@@ -123,7 +123,7 @@ def prefill_view(
         valid = torch.ones(b, t, dtype=torch.bool, device=keys.device)
     else:  # the last query sees every real key; padding columns are masked in its row
         valid = attention.as_bool_mask(attention_mask)[:, 0, -1, :t]
-        _require_left_padding(valid)
+        require_left_padding(valid)
     if facts is None:
         return LayerView(module, query, keys, values, valid, scaling)
     facts.mask = None if attention_mask is None else weakref.ref(attention_mask)

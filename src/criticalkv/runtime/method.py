@@ -169,7 +169,7 @@ class Method:
             return
         flags = []
         for s, p, v in zip(scores, plans, views, strict=True):
-            negative = (s.masked_fill(padding_or_protected(v, p.protected), 0.0) < 0).any()  # ()
+            negative = ~(s.masked_fill(padding_or_protected(v, p.protected), 0.0) >= 0).all()  # (): NaN too
             shard = head_shard(v)
             if shard is not None:  # tensor parallelism: every rank raises, not one alone while the others wait
                 negative = shard.gather(negative.view(1, 1)).any()
@@ -177,8 +177,8 @@ class Method:
         if bool(torch.stack(flags).any()):
             raise NegativeScoreError(
                 f"{type(self.selector).__name__} multiplies scores by value norms, so scores must be >= 0; "
-                f"{type(self.scorer).__name__} produced negative scores (e.g. a negated key norm): shift them to be "
-                "non-negative or use the top-k selector"
+                f"{type(self.scorer).__name__} produced negative or NaN scores (e.g. a negated key norm): make them "
+                "finite and >= 0, or use the top-k selector"
             )
 
     def _stream(self, views: list[LayerView], budget: Budget, scores: list[torch.Tensor] | None) -> list[Decision]:

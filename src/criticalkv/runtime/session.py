@@ -14,9 +14,9 @@ from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
 from criticalkv.cache.compressed_cache import release_views, storage_bytes
 from criticalkv.distributed.layout import on_this_stage, stage_layers
-from criticalkv.errors import CriticalKVError
+from criticalkv.errors import CriticalKVError, PaddingError
 from criticalkv.runtime.api import make_compressor
-from criticalkv.runtime.compressor import Compressor
+from criticalkv.runtime.compressor import Compressor, refuse_nesting, require_left_padding
 from criticalkv.runtime.method import Method
 
 #: ``rewind`` copies a transformers layer cropped back to the context only when the storage it keeps holds more
@@ -35,6 +35,24 @@ class Generation:
     @property
     def decode_seconds_per_token(self) -> float:
         return sum(self.decode_seconds) / len(self.decode_seconds) if self.decode_seconds else float("nan")
+
+
+def _check_question(question_ids: torch.Tensor, question_mask: torch.Tensor, rows: int) -> None:
+    """Refuse a question that does not continue the context's rows: ids (b, q) with the context's b, a mask of the
+    same shape, left padding and a real last token in every row (the answer starts from its logits)."""
+    if question_ids.dim() != 2 or question_ids.shape[0] != rows:
+        raise CriticalKVError(
+            f"question_ids must be (b, q) with the context's {rows} rows, got {tuple(question_ids.shape)}"
+        )
+    if question_mask.shape != question_ids.shape:
+        raise CriticalKVError(
+            f"question_mask {tuple(question_mask.shape)} does not match question_ids {tuple(question_ids.shape)}"
+        )
+    valid = question_mask.bool()
+    require_left_padding(valid)
+    if not bool(valid[:, -1].all()):
+        row = int((~valid[:, -1]).nonzero()[0])
+        raise PaddingError(f"row {row} of the question has no real token; every row needs one to answer from")
 
 
 def warn_unmasked_padding(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -169,6 +187,7 @@ class ContextSession:
             logits = self.last_logits
         else:
             q_mask = torch.ones_like(question_ids) if question_mask is None else question_mask
+            _check_question(question_ids, q_mask, self.mask.shape[0])
             logits = self._forward(question_ids, torch.cat([self.mask, q_mask], dim=1))
         first = time.perf_counter() - start
         result = Generation(torch.empty(logits.shape[0], 0, dtype=torch.long, device=logits.device), first)
@@ -229,6 +248,8 @@ class ContextSession:
         self.mask_with_pending = full_mask
         if self.compressor is not None:
             self.compressor.install()
+        else:  # a full session inside another block: that block's hooks would replace or compress its cache
+            refuse_nesting(self.model)
         try:
             out = self.model(
                 input_ids=input_ids,
