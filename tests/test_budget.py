@@ -98,7 +98,7 @@ def test_entries_for_fraction_matches_exact_floor():
 
 
 def test_entries_for_fraction_rounding_to_zero_raises():
-    with pytest.raises(BudgetError):
+    with pytest.raises(BudgetError, match="row 1's 4-token context rounds to zero"):
         Budget(0.2).entries_for(torch.tensor([100, 4]))
     with pytest.raises(BudgetError):
         Budget(0.001).entries_for(torch.tensor([999]))

@@ -92,7 +92,11 @@ class Budget:
             n = torch.where(whole, lengths, n)
         short = (n < 1) & (lengths > 0)  # only a fraction can round to zero: a count is >= 1
         if bool(short.any()):
-            raise BudgetError(f"budget {self.value} of a {int(lengths[short][0])}-token context rounds to zero entries")
+            row = int(short.nonzero()[0])
+            raise BudgetError(
+                f"budget {self.value} of row {row}'s {int(lengths[row])}-token context rounds to zero entries: raise "
+                "the budget, give an entry count, or leave the row out"
+            )
         return torch.minimum(n, lengths)
 
     def __str__(self) -> str:
