@@ -869,6 +869,9 @@ def test_an_empty_dynamic_cache_given_to_generate_is_warned_about():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
+        with pytest.warns(UserWarning, match="nothing is compressed") as caught:
+            model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, use_cache=False)
+        assert caught[0].filename == __file__  # pointing at the caller
 
 
 @pytest.mark.parametrize("implementation", ["static", "offloaded"])

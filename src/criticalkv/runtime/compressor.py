@@ -264,6 +264,12 @@ class Compressor:
                     "output's past_key_values (return_dict_in_generate=True)",
                     stacklevel=2,
                 )
+            if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
+                warnings.warn(
+                    "generate(use_cache=False) keeps no cache, so nothing is compressed inside criticalkv.compress: "
+                    "every step runs over the whole uncompressed sequence",
+                    stacklevel=2,
+                )
             return generate(*args, **kwargs)
 
         self.model.generate = guarded
