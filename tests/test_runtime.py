@@ -927,6 +927,12 @@ def test_a_question_that_does_not_continue_the_context_is_refused(method):
         session.ask(question[:1], 2)
     left = session.ask(question, 2, question_mask=torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]]))  # left padding: fine
     assert left.tokens.shape == (2, 2)
+    context = _ids(30, seed=46, b=2)
+    with pytest.raises(CriticalKVError, match="does not match"):
+        session.prefill(context, torch.ones(1, 30, dtype=torch.long))  # was broadcast over the batch
+    for wrong in (context[0], context.float()):
+        with pytest.raises(CriticalKVError, match=r"token ids \(b, t\)"):
+            session.prefill(wrong)
 
 
 def test_a_prefill_that_raised_leaves_nothing_for_the_next():

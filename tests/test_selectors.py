@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from criticalkv.budget import Budget
-from criticalkv.errors import NegativeScoreError
+from criticalkv.errors import CriticalKVError, NegativeScoreError
 from criticalkv.runtime.method import Method
 from criticalkv.scorers import (
     DefensiveScorer,
@@ -323,6 +323,13 @@ def test_negative_scores_raise_where_a_selector_multiplies_them():
     scores[0, 1, 3] = float("nan")  # NaN compares false with 0: it passed a "< 0" check
     with pytest.raises(NegativeScoreError, match="negative or NaN"):
         Method(scorer, selector=CriticalSelector()).decide(view, Budget(0.5))
+
+
+def test_scores_of_the_wrong_shape_name_the_scorer():
+    view = _make_view(1, 2, 2, 8, 4, 8, [8], seed=0)
+    scorer = _GivenScores(_distinct_scores(1, 2, 8, seed=0)[:, :, :7], torch.zeros(1, 8, dtype=torch.bool))
+    with pytest.raises(CriticalKVError, match=r"_GivenScores gave scores of shape \(1, 2, 7\); .* = \(1, 2, 8\)"):
+        Method(scorer, selector=TopKSelector()).decide(view, Budget(0.5))
 
 
 def test_negative_scores_on_padding_or_protected_positions_are_ignored():

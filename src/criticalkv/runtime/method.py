@@ -135,6 +135,12 @@ class Method:
         if scores is None:
             scores = [self.scores_of(view) for view in views]
         scores = [s.clone() for s in scores]  # shared with other methods deciding on these views
+        for s, view in zip(scores, views, strict=True):
+            if s.shape != view.keys.shape[:3]:  # a scorer of the user's own: say so before torch fails deep inside
+                raise CriticalKVError(
+                    f"{type(self.scorer).__name__} gave scores of shape {tuple(s.shape)}; a layer's scores are "
+                    f"(b, h_kv, t) = {tuple(view.keys.shape[:3])}"
+                )
         self._check_signs(scores, plans, views, given)
         rank = getattr(self.selector, "rank", None)
         if rank is not None:

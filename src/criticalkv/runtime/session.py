@@ -146,8 +146,14 @@ class ContextSession:
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Prefill (and compress) the context: input_ids (b, t), left-padded if rows differ, with their
         ``attention_mask`` (b, t) (None: every token is real). Returns the last position's logits (b, vocab)."""
+        if input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise CriticalKVError(f"input_ids must be token ids (b, t), got {input_ids.dtype} {tuple(input_ids.shape)}")
         if input_ids.shape[-1] == 0:
             raise CriticalKVError("the context is empty: prefill needs at least one token")
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise CriticalKVError(
+                f"attention_mask {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}"
+            )
         warn_unmasked_padding(self.model, input_ids, attention_mask)
         self.cache = self.compressor.new_cache() if self.compressor else full_cache(self.model)
         # Sliding-window layers (Gemma 3) drop what leaves their window unless told to keep it for a rewind.
