@@ -18,34 +18,56 @@ import torch
 from transformers import (
     ApertusConfig,
     ArceeConfig,
+    BitNetConfig,
     Cohere2Config,
+    Cohere2MoeConfig,
     CohereConfig,
+    CwmConfig,
+    Dots1Config,
+    Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
+    ExaoneMoeConfig,
+    FlexOlmoConfig,
     Gemma2Config,
     Gemma3Config,
     Gemma3TextConfig,
+    GemmaConfig,
     Glm4Config,
+    Glm4MoeConfig,
     GlmConfig,
     GPT2Config,
     GptOssConfig,
     GraniteConfig,
+    GraniteMoeConfig,
+    GraniteMoeSharedConfig,
     HeliumConfig,
+    HunYuanDenseV1Config,
+    HunYuanMoEV1Config,
+    HyperCLOVAXConfig,
+    HYV3Config,
+    Jais2Config,
+    Kolibri1Config,
     LlamaConfig,
     LlamaForCausalLM,
+    MellumConfig,
     MinistralConfig,
     MistralConfig,
     MixtralConfig,
+    NemotronConfig,
     Olmo2Config,
     Olmo3Config,
     OlmoConfig,
+    OlmoeConfig,
     Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
     SeedOssConfig,
     SmolLM3Config,
+    SolarOpenConfig,
 )
 
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
@@ -349,8 +371,45 @@ FAMILY_CONFIGS = [
     Ernie4_5Config(**TINY, head_dim=32),
     ArceeConfig(**TINY),
     ApertusConfig(**TINY),
+    GemmaConfig(**TINY, head_dim=32),
+    NemotronConfig(**TINY),
+    HunYuanDenseV1Config(**TINY),
+    HunYuanMoEV1Config(**TINY),
+    HYV3Config(**TINY, head_dim=32),
+    Glm4MoeConfig(**TINY),
+    OlmoeConfig(**TINY),
+    FlexOlmoConfig(**TINY),
+    Ernie4_5_MoeConfig(**TINY),
+    Dots1Config(**TINY),
+    GraniteMoeConfig(**TINY),
+    GraniteMoeSharedConfig(**TINY),
+    ExaoneMoeConfig(**TINY),
+    Cohere2MoeConfig(**TINY, head_dim=32),
+    SolarOpenConfig(**TINY, head_dim=32),
+    Jais2Config(**TINY),
+    MellumConfig(**TINY, head_dim=32),
+    HyperCLOVAXConfig(**TINY),
+    CwmConfig(**TINY, head_dim=32),
+    Kolibri1Config(**TINY, head_dim=32),
 ]
-HEAD_DIM_SET = ("qwen3", "qwen3_moe", "gemma3_text", "glm", "glm4", "helium", "seed_oss", "ernie4_5")
+#: the families whose config above sets head_dim (32); the others derive it, 64 // 4
+HEAD_DIM_SET = (
+    "qwen3",
+    "qwen3_moe",
+    "gemma3_text",
+    "glm",
+    "glm4",
+    "helium",
+    "seed_oss",
+    "ernie4_5",
+    "gemma",
+    "hy_v3",
+    "cohere2_moe",
+    "solar_open",
+    "mellum",
+    "cwm",
+    "kolibri1",
+)
 
 
 @pytest.mark.parametrize("config", FAMILY_CONFIGS, ids=lambda c: c.model_type)
@@ -388,6 +447,26 @@ def test_every_family_is_covered() -> None:
         "ernie4_5",
         "arcee",
         "apertus",
+        "gemma",
+        "nemotron",
+        "hunyuan_v1_dense",
+        "hunyuan_v1_moe",
+        "hy_v3",
+        "glm4_moe",
+        "olmoe",
+        "flex_olmo",
+        "ernie4_5_moe",
+        "dots1",
+        "granitemoe",
+        "granitemoeshared",
+        "exaone_moe",
+        "cohere2_moe",
+        "solar_open",
+        "jais2",
+        "mellum",
+        "hyperclovax",
+        "cwm",
+        "kolibri1",
     )
     assert {c.model_type for c in FAMILY_CONFIGS} == set(SUPPORTED_FAMILIES)
 
@@ -400,7 +479,15 @@ def test_unsupported_family_message() -> None:
     assert isinstance(err.value, CriticalKVError) and isinstance(err.value, ValueError)
 
 
-@pytest.mark.parametrize(("config", "why"), [(Gemma2Config, "soft-caps"), (GptOssConfig, "sinks")])
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [
+        (Gemma2Config, "soft-caps"),
+        (GptOssConfig, "sinks"),
+        (BitNetConfig, "normalises the attention output"),
+        (Qwen3NextConfig, "gates the attention output"),
+    ],
+)
 def test_families_with_attention_features_not_implemented_say_which(config, why) -> None:
     with pytest.raises(UnsupportedModelError, match=why):
         check_supported(config(**TINY))

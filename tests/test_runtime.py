@@ -18,24 +18,43 @@ from transformers import (
     AttentionInterface,
     AutoModelForCausalLM,
     Cohere2Config,
+    Cohere2MoeConfig,
     CohereConfig,
+    CwmConfig,
+    Dots1Config,
     DynamicCache,
+    Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
+    ExaoneMoeConfig,
+    FlexOlmoConfig,
     Gemma3TextConfig,
+    GemmaConfig,
     GenerationConfig,
     Glm4Config,
+    Glm4MoeConfig,
     GlmConfig,
     GPT2Config,
     GraniteConfig,
+    GraniteMoeConfig,
+    GraniteMoeSharedConfig,
     HeliumConfig,
+    HunYuanDenseV1Config,
+    HunYuanMoEV1Config,
+    HyperCLOVAXConfig,
+    HYV3Config,
+    Jais2Config,
+    Kolibri1Config,
     LlamaConfig,
+    MellumConfig,
     MinistralConfig,
     MistralConfig,
     MixtralConfig,
+    NemotronConfig,
     Olmo2Config,
     Olmo3Config,
     OlmoConfig,
+    OlmoeConfig,
     Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
@@ -43,6 +62,7 @@ from transformers import (
     Qwen3MoeConfig,
     SeedOssConfig,
     SmolLM3Config,
+    SolarOpenConfig,
 )
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -80,6 +100,8 @@ _COMMON = dict(
     pad_token_id=0,
 )
 _SLIDING_THEN_FULL = ["sliding_attention", "full_attention"]
+_MOE = dict(moe_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=1)  # layer 0 dense, 1 sparse
+_MOE_TWO_LAYERS = dict(moe_intermediate_size=32, mlp_layer_types=["dense", "sparse"])
 FAMILIES = {
     "llama": lambda: LlamaConfig(**_COMMON),
     "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),
@@ -118,10 +140,74 @@ FAMILIES = {
     "ernie4_5": lambda: Ernie4_5Config(**_COMMON, head_dim=16),
     "arcee": lambda: ArceeConfig(**_COMMON),
     "apertus": lambda: ApertusConfig(**_COMMON),  # q/k norms per head
+    "gemma": lambda: GemmaConfig(**_COMMON, head_dim=16),
+    "nemotron": lambda: NemotronConfig(**_COMMON, partial_rotary_factor=0.5),  # RoPE on half of each head
+    "hunyuan_v1_dense": lambda: HunYuanDenseV1Config(**_COMMON, head_dim=16),  # q/k norms after RoPE
+    "hunyuan_v1_moe": lambda: HunYuanMoEV1Config(**_COMMON, head_dim=16, num_experts=4, moe_topk=2),
+    "hy_v3": lambda: HYV3Config(**_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, **_MOE_TWO_LAYERS),
+    "glm4_moe": lambda: Glm4MoeConfig(**_COMMON, head_dim=16, n_routed_experts=4, num_experts_per_tok=2, **_MOE),
+    "olmoe": lambda: OlmoeConfig(**_COMMON, num_experts=4, num_experts_per_tok=2),
+    "flex_olmo": lambda: FlexOlmoConfig(**_COMMON, num_experts=4, num_experts_per_tok=2),
+    "ernie4_5_moe": lambda: Ernie4_5_MoeConfig(
+        **_COMMON, head_dim=16, moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_end_index=1
+    ),
+    "dots1": lambda: Dots1Config(
+        **_COMMON, head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, **_MOE
+    ),
+    "granitemoe": lambda: GraniteMoeConfig(**_COMMON, num_local_experts=4, attention_multiplier=0.125),
+    "granitemoeshared": lambda: GraniteMoeSharedConfig(**_COMMON, num_local_experts=4, shared_intermediate_size=32),
+    "exaone_moe": lambda: ExaoneMoeConfig(
+        **_COMMON,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=6,
+        layer_types=_SLIDING_THEN_FULL,
+        **_MOE_TWO_LAYERS,
+    ),
+    "cohere2_moe": lambda: Cohere2MoeConfig(
+        **_COMMON, head_dim=16, num_experts=4, sliding_window=6, layer_types=_SLIDING_THEN_FULL, **_MOE_TWO_LAYERS
+    ),
+    "solar_open": lambda: SolarOpenConfig(**_COMMON, head_dim=16, n_routed_experts=4, num_experts_per_tok=2, **_MOE),
+    "jais2": lambda: Jais2Config(**_COMMON, head_dim=16),
+    "mellum": lambda: MellumConfig(
+        **_COMMON,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        layer_types=["full_attention"] * 2,
+        mlp_layer_types=["sparse"] * 2,
+    ),
+    "hyperclovax": lambda: HyperCLOVAXConfig(**_COMMON, head_dim=16),
+    "cwm": lambda: CwmConfig(
+        **_COMMON, head_dim=16, sliding_window=6, layer_types=["full_attention", "sliding_attention"]
+    ),
+    "kolibri1": lambda: Kolibri1Config(
+        **_COMMON,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        sliding_window=6,
+        layer_types=_SLIDING_THEN_FULL,
+    ),
 }
 #: the families added with tests of their own, each also under eager attention
 LATER_FAMILIES = list(FAMILIES)[list(FAMILIES).index("mixtral") :]
-SLIDING_FAMILIES = {"gemma3", "smollm3_sliding", "ministral", "cohere2", "olmo3", "exaone4"}
+SLIDING_FAMILIES = {
+    "gemma3",
+    "smollm3_sliding",
+    "ministral",
+    "cohere2",
+    "olmo3",
+    "exaone4",
+    "exaone_moe",
+    "cohere2_moe",
+    "cwm",
+    "kolibri1",
+}
 
 
 @functools.cache

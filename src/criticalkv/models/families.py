@@ -40,6 +40,26 @@ SUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
         "ernie4_5": "ERNIE 4.5",
         "arcee": "Arcee AFM",
         "apertus": "Apertus",
+        "gemma": "Gemma",
+        "nemotron": "Nemotron / Minitron",
+        "hunyuan_v1_dense": "Hunyuan dense",
+        "hunyuan_v1_moe": "Hunyuan-A13B MoE",
+        "hy_v3": "Hunyuan 3",
+        "glm4_moe": "GLM-4.5 / 4.6",
+        "olmoe": "OLMoE",
+        "flex_olmo": "FlexOlmo",
+        "ernie4_5_moe": "ERNIE 4.5 MoE",
+        "dots1": "dots.llm1",
+        "granitemoe": "IBM Granite MoE",
+        "granitemoeshared": "IBM Granite MoE with shared experts",
+        "exaone_moe": "EXAONE MoE",
+        "cohere2_moe": "Cohere Command MoE",
+        "solar_open": "Solar Open",
+        "jais2": "Jais 2",
+        "mellum": "JetBrains Mellum",
+        "hyperclovax": "HyperCLOVA X",
+        "cwm": "Meta Code World Model",
+        "kolibri1": "Kolibri",
     }
 )
 
@@ -50,6 +70,10 @@ NOT_YET: Mapping[str, str] = MappingProxyType(
         "compressed caches do not apply yet",
         "gpt_oss": "gpt-oss adds learned attention sinks to every softmax, which criticalkv's scorers and its "
         "attention over compressed caches do not apply yet",
+        "bitnet": "BitNet normalises the attention output before o_proj, so the value norm ||V W_O|| of CriticalKV "
+        "would not measure what an entry adds to the layer's output",
+        "qwen3_next": "Qwen3-Next gates the attention output before o_proj and mixes in linear-attention layers, "
+        "whose state is not a cache of entries to evict",
     }
 )
 
