@@ -15,6 +15,10 @@ is the control: it shows what the two transformers versions' numerics alone chan
 
     OMP_NUM_THREADS=1 python benchmarks/quality_vs_kvpress.py --model smollm2-135m --samples 100 --threads 1 \
         --out results/quality_vs_kvpress_smollm2
+
+The stages resume, and run side by side in separate processes (``--stages ours``, ``--stages kvpress``); a third
+process can take the end of the samples (``--stages kvpress --samples-from 41``). ``--stages report`` compares the
+samples that both systems have answered with every method, and says how many of the requested ones those are.
 """
 
 from __future__ import annotations
@@ -158,6 +162,16 @@ def kept_difference(model, folder: Path, context_ids: list[int], method: str, bu
     }
 
 
+def both_answered(ours_rows: list[dict], theirs_rows: list[dict], methods: list[str]) -> set[str]:
+    """Keys of the samples every method of ours and every matching press of kvpress's have answered."""
+    ours = {row["key"] for row in ours_rows if set(methods) <= set(row["tokens"])}
+    presses: dict[str, set[str]] = {}
+    for row in theirs_rows:
+        presses.setdefault(row["key"], set()).add(row["press"])
+    wanted = {PRESS_OF[m] for m in methods}
+    return {key for key in ours if wanted <= presses.get(key, set())}
+
+
 def compare(items, ours_rows, theirs_rows, samples, tokenizer, methods) -> dict:
     """Agreement and scores per method, and the disagreements."""
     ours = {row["key"]: row["tokens"] for row in ours_rows}
@@ -217,6 +231,13 @@ def main() -> None:
         help="what to run: ours, kvpress, report (separate processes can run ours and kvpress side by side)",
     )
     parser.add_argument("--out", type=Path, default=Path("results/quality_vs_kvpress"), help="folder (resumes)")
+    parser.add_argument(
+        "--samples-from",
+        type=int,
+        default=1,
+        help="answer only the samples from this one on (1-based), into ours_from_<n>.jsonl / kvpress_from_<n>.jsonl:"
+        " a second process can take the end of a long run; the report reads every such file",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -235,16 +256,27 @@ def main() -> None:
     eos = {tokenizer.eos_token_id}
     stages = {s.strip() for s in args.stages.split(",")}
     model = load_model(str(folder), dtype=args.dtype)[0] if stages & {"ours", "report"} else None
+    suffix = "" if args.samples_from == 1 else f"_from_{args.samples_from}"
+    if not 1 <= args.samples_from <= len(items):
+        raise SystemExit(f"--samples-from must be within 1..{len(items)}")
     if "ours" in stages:
-        our_answers(model, items, methods, args.budget, eos, args.out / "ours.jsonl")
+        our_answers(model, items[args.samples_from - 1 :], methods, args.budget, eos, args.out / f"ours{suffix}.jsonl")
     if "kvpress" in stages:
-        kvpress_answers(args, folder, args.out / "samples.jsonl", methods, eos, args.out / "kvpress.jsonl")
+        samples_file = args.out / f"samples{suffix}.jsonl"
+        if suffix:
+            samples_file.write_text("".join(json.dumps(item) + "\n" for item in items[args.samples_from - 1 :]))
+        kvpress_answers(args, folder, samples_file, methods, eos, args.out / f"kvpress{suffix}.jsonl")
     if "report" not in stages:
         return
 
-    keys = {item["key"] for item in items}
-    ours_rows = [row for row in _read_jsonl(args.out / "ours.jsonl") if row["key"] in keys]
-    theirs_rows = [row for row in _read_jsonl(args.out / "kvpress.jsonl") if row["key"] in keys]
+    ours_rows = [row for path in sorted(args.out.glob("ours*.jsonl")) for row in _read_jsonl(path)]
+    theirs_rows = [row for path in sorted(args.out.glob("kvpress*.jsonl")) for row in _read_jsonl(path)]
+    answered = both_answered(ours_rows, theirs_rows, methods)
+    paired = [(item, sample) for item, sample in zip(items, samples, strict=True) if item["key"] in answered]
+    if not paired:
+        raise SystemExit(f"no sample in {args.out} has been answered by both systems yet")
+    print(f"report on {len(paired)} of {len(items)} samples (those both systems answered)")
+    items, samples = [item for item, _ in paired], [sample for _, sample in paired]
     report = compare(items, ours_rows, theirs_rows, samples, tokenizer, methods)
     if args.explain:
         context_of = {item["key"]: item["context_ids"] for item in items}
@@ -258,7 +290,8 @@ def main() -> None:
     summary = {
         "command": " ".join(["python benchmarks/quality_vs_kvpress.py", *sys.argv[1:]]),
         "model": args.model,
-        "samples": args.samples,
+        "samples": len(items),
+        "samples_requested": args.samples,
         "length": args.length,
         "budget": args.budget,
         "dtype": args.dtype,

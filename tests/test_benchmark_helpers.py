@@ -27,7 +27,7 @@ from plot_benchmarks import (
     presets_table,
 )
 from prefill_overhead import run_ratios
-from quality_vs_kvpress import trim_at_eos
+from quality_vs_kvpress import both_answered, trim_at_eos
 from speed_memory import kvpress_ratio, run_child, summarise
 
 
@@ -54,6 +54,20 @@ def test_trim_at_eos() -> None:
     assert trim_at_eos([5, 2, 7, 2], {2}) == [5, 2]
     assert trim_at_eos([5, 6], {2}) == [5, 6]
     assert trim_at_eos([], {2}) == []
+
+
+def test_a_report_pairs_only_samples_every_method_of_both_systems_answered() -> None:
+    methods = ["full", "critical-snapkv"]
+    ours = [
+        {"key": "a", "tokens": {"full": [1], "critical-snapkv": [2]}},
+        {"key": "b", "tokens": {"full": [1]}},  # an interrupted sample: one method only
+        {"key": "c", "tokens": {"full": [1], "critical-snapkv": [2]}},
+    ]
+    theirs = [
+        {"key": k, "press": p, "tokens": [1]} for k, p in [("a", "none"), ("a", "critical-snapkv"), ("b", "none")]
+    ]
+    theirs += [{"key": "b", "press": "critical-snapkv", "tokens": [1]}, {"key": "c", "press": "none", "tokens": [1]}]
+    assert both_answered(ours, theirs, methods) == {"a"}  # b lacks ours, c lacks kvpress's critical-snapkv
 
 
 def _run(system: str, method: str, ttft: float, kv: int) -> dict:
