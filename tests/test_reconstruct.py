@@ -339,20 +339,23 @@ def test_shared_prefill_shares_one_reconstruction_and_equals_separate_runs(monke
 
 
 # --- errors -----------------------------------------------------------------------------------------------------
+# each refused when the method is installed, before the prefill whose end the tokenizer is first needed at
 def test_missing_tokenizer_is_a_clear_error():
     model = _model()  # built from a config: no name_or_path to load a tokenizer from
-    ids, mask = _batch(_random_rows([40], seed=10))
-    with pytest.raises(CriticalKVError, match="tokenizer"):
-        ContextSession(model, "reconstruct", 0.3).prefill(ids, mask)
+    with pytest.raises(CriticalKVError, match="no name_or_path"):
+        ContextSession(model, "reconstruct", 0.3)
+
+
+def test_a_tokenizer_that_does_not_load_is_a_clear_error(tmp_path):
+    with pytest.raises(CriticalKVError, match="none loads from"):
+        SharedPrefill(_model(), [("r", build_method("reconstruct", tokenizer=str(tmp_path)), 0.3)])
 
 
 def test_another_models_tokenizer_is_a_clear_error(tiny_tokenizer):
     model = _model()
     model.resize_token_embeddings(64)  # the tiny tokenizer's repeat request writes ids beyond 64
-    ids, mask = _batch([torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(11)).tolist()])
-    session = ContextSession(model, build_method("reconstruct", tokenizer=tiny_tokenizer), 0.3)
     with pytest.raises(CriticalKVError, match="not this model's tokenizer"):
-        session.prefill(ids, mask)
+        ContextSession(model, build_method("reconstruct", tokenizer=tiny_tokenizer), 0.3)
 
 
 @pytest.mark.parametrize("preset", ["reconstruct", "critical-layer-reconstruct"])

@@ -65,9 +65,10 @@ def refuse_nesting(model: PreTrainedModel) -> None:
 
 def check_compressible(model: PreTrainedModel, method: Method | None) -> None:
     """Refuse, before any forward, a model ``method`` cannot compress: an unsupported family, a model whose every
-    attention layer is a sliding-window one (nothing to compress), or sliding-window layers with a scorer that
-    cannot run beside them (``supports_sliding_windows = False``: reconstruction). None (the full cache, in a
-    ``SharedPrefill``): the family alone."""
+    attention layer is a sliding-window one (nothing to compress), sliding-window layers with a scorer that
+    cannot run beside them (``supports_sliding_windows = False``: reconstruction), or what the scorer's own
+    ``check_model(model)`` refuses (reconstruction: its tokenizer). None (the full cache, in a ``SharedPrefill``):
+    the family alone."""
     check_supported(model.config)
     if method is None:
         return
@@ -88,6 +89,9 @@ def check_compressible(model: PreTrainedModel, method: Method | None) -> None:
             f"model's {len(kinds)} layers): their caches cannot be rewound after its passes; use a scorer that reads "
             "the prefill alone (snapkv, tova, knorm, ...)"
         )
+    check_model = getattr(scorer, "check_model", None)
+    if check_model is not None:
+        check_model(model)
 
 
 def require_left_padding(valid: torch.Tensor) -> None:

@@ -339,6 +339,11 @@ class ReconstructionScorer:
             item.view.memo[("protected", repr(self))] = protected
         return scores
 
+    def check_model(self, model: nn.Module) -> None:
+        """Refuse, before any forward, a tokenizer that cannot be loaded or is another model's (the repeat prompt
+        is written with it only after the whole prefill)."""
+        _check_vocabulary(RepeatPrompt.from_tokenizer(self._resolve_tokenizer(model)), model)
+
     # --- the passes ------------------------------------------------------------------------------------------
     def _resolve_tokenizer(self, model: nn.Module) -> PreTrainedTokenizerBase:
         if isinstance(self.tokenizer, PreTrainedTokenizerBase):
