@@ -66,8 +66,10 @@ def models() -> None:
     for preset in list_presets():
         table.add_row(preset.name, preset.description, preset.install_command)
     console.print(table)
-    families = ", ".join(f"{name} ({model_type})" for model_type, name in SUPPORTED_FAMILIES.items())
-    console.print(f"Any other model: a local folder or hub id of a supported family (config model_type): {families}.")
+    families = Table("family", "config model_type", title="Any other model: a local folder or hub id of these families")
+    for model_type, name in SUPPORTED_FAMILIES.items():
+        families.add_row(name, model_type)
+    console.print(families)
 
 
 @dataclass
