@@ -74,6 +74,7 @@ from criticalkv.errors import (
     BudgetError,
     CacheStateError,
     CriticalKVError,
+    MethodOptionError,
     PaddingError,
     UnknownMethodError,
     UnsupportedModelError,
@@ -839,7 +840,10 @@ def test_custom_method_object():
     with criticalkv.compress(model, method, budget=10) as compressor:
         _generate(model, ids)
     assert [r.kept.tolist() for r in compressor.records] == [[[10, 10]]] * 2
-    with pytest.raises(TypeError), criticalkv.compress(model, method, budget=10, sinks=3):
+    with (
+        pytest.raises(MethodOptionError, match="custom Method"),
+        criticalkv.compress(model, method, budget=10, sinks=3),
+    ):
         pass
 
 
@@ -974,6 +978,14 @@ def test_output_attentions_is_refused_inside_a_block():
     model = _model("llama", "eager")
     with criticalkv.compress(model, "snapkv", budget=0.3), pytest.raises(CacheStateError, match="output_attentions"):
         model.generate(input_ids=_ids(30, seed=50), max_new_tokens=2, output_attentions=True)
+
+
+def test_asking_before_the_prefill_and_bad_shared_targets_are_criticalkv_errors():
+    model = _model("llama")
+    with pytest.raises(CacheStateError, match="prefill"):
+        ContextSession(model, "snapkv", 0.5).ask(torch.tensor([[5, 6]]))
+    with pytest.raises(CriticalKVError, match="unique"):
+        SharedPrefill(model, [("a", "snapkv", 0.5), ("a", "tova", 0.5)])
 
 
 def test_a_full_cache_session_inside_a_block_is_refused():

@@ -118,7 +118,7 @@ def test_stacking_refuses_what_does_not_stack():
     long = SharedPrefill(model, PAIRS[:2]).prefill(torch.randint(0, 256, (1, 80), generator=g))
     with pytest.raises(ValueError, match="unpadded prompts of one length"):
         ContextSession.stacked([short["snapkv-0.3"], long["snapkv-0.3"]])
-    with pytest.raises(ValueError, match="nothing to stack"):
+    with pytest.raises(CacheStateError, match="nothing to stack"):
         ContextSession.stacked([])
     gemma = SharedPrefill(_model("gemma3"), PAIRS[:2]).prefill(torch.randint(0, 256, (1, 60), generator=g))
     assert not gemma["snapkv-0.3"].cache.stackable()

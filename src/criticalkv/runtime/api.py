@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from transformers import PreTrainedModel
 
 from criticalkv.budget import Budget
+from criticalkv.errors import MethodOptionError
 from criticalkv.methods import build_method
 from criticalkv.runtime.compressor import Compressor, check_compressible, refuse_nesting
 from criticalkv.runtime.method import Method
@@ -21,7 +22,7 @@ def make_compressor(
     budget = Budget.parse(budget)
     if isinstance(method, Method):
         if options:
-            raise TypeError("options apply to preset names; set them on the pieces of a custom Method")
+            raise MethodOptionError("options apply to preset names; set them on the pieces of a custom Method")
         built = method
     else:
         built = build_method(method, **options)

@@ -14,7 +14,7 @@ from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
 from criticalkv.cache.compressed_cache import release_views, storage_bytes
 from criticalkv.distributed.layout import on_this_stage, stage_layers
-from criticalkv.errors import CriticalKVError, PaddingError
+from criticalkv.errors import CacheStateError, CriticalKVError, PaddingError
 from criticalkv.runtime.api import make_compressor
 from criticalkv.runtime.compressor import Compressor, refuse_nesting, require_left_padding
 from criticalkv.runtime.method import Method
@@ -130,12 +130,12 @@ class ContextSession:
         nothing asked yet; the sessions themselves are left as they are.
         """
         if not sessions:
-            raise ValueError("nothing to stack")
+            raise CacheStateError("nothing to stack")
         first = sessions[0]
         if any(s.cache is None or s.mask.shape != first.mask.shape or not bool(s.mask.all()) for s in sessions):
-            raise ValueError("stacked sessions must hold unpadded prompts of one length")
+            raise CacheStateError("stacked sessions must hold unpadded prompts of one length")
         if any(s.model is not first.model for s in sessions):
-            raise ValueError("stacked sessions must share one model")
+            raise CacheStateError("stacked sessions must share one model")
         cache = CompressedCache.stack([s.cache for s in sessions])
         mask = torch.cat([s.mask for s in sessions])  # (rows, t)
         last = torch.cat([s.last_logits for s in sessions])  # (rows, vocab)
@@ -187,7 +187,7 @@ class ContextSession:
         is trimmed back to the context afterwards, so the next question sees the same context.
         """
         if self.cache is None:
-            raise RuntimeError("call prefill(context) first")
+            raise CacheStateError("call prefill(context) first")
         start = time.perf_counter()
         if question_ids is None or question_ids.shape[1] == 0:
             logits = self.last_logits

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer
+from criticalkv.errors import CriticalKVError
 from criticalkv.methods import build_method
 from criticalkv.runtime.compressor import (
     Compressor,
@@ -60,13 +61,13 @@ class SharedPrefill(Compressor):
 
     def __init__(self, model: PreTrainedModel, targets: list[tuple[str, str | Method, Budget | float | int | str]]):
         if not targets:
-            raise ValueError("SharedPrefill needs at least one (label, method, budget) target")
+            raise CriticalKVError("SharedPrefill needs at least one (label, method, budget) target")
         built = []
         for label, method, budget in targets:
             m = method if isinstance(method, Method) else build_method(method)
             built.append(Target(label, m, Budget.parse(budget)))
         if len({t.label for t in built}) != len(built):
-            raise ValueError("target labels must be unique")
+            raise CriticalKVError("target labels must be unique")
         first = next((t.method for t in built if t.method is not None), None)
         super().__init__(model, first, Budget(1.0))
         for target in built:  # every target, before the prefill
