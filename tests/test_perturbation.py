@@ -554,6 +554,19 @@ def test_analysis_refuses_methods_that_decide_layers_together(tmp_path):
             run_analysis(model="unused", methods=f"snapkv,{name}", n=0, out=tmp_path)
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_soft_capped_or_sink_attention_is_refused(family):
+    from transformers import Gemma2Config, GptOssConfig
+
+    config_class, extra = {
+        "gemma2": (Gemma2Config, {"head_dim": 16}),
+        "gpt_oss": (GptOssConfig, {"head_dim": 16, "num_local_experts": 2, "num_experts_per_tok": 1}),
+    }[family]
+    model = _tiny_model("eager", config_class, **extra)
+    with pytest.raises(UnsupportedModelError, match="soft-capped logits .* or attention sinks"):
+        capture(model, _ids(60, 5), _ids(6, 6), generate=2)
+
+
 def test_a_model_without_full_attention_layers_is_refused():
     from transformers import MistralConfig
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import sys
 import warnings
 import weakref
 
@@ -28,6 +29,7 @@ from transformers import (
     Exaone4Config,
     ExaoneMoeConfig,
     FlexOlmoConfig,
+    Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
     GenerationConfig,
@@ -35,6 +37,7 @@ from transformers import (
     Glm4MoeConfig,
     GlmConfig,
     GPT2Config,
+    GptOssConfig,
     GraniteConfig,
     GraniteMoeConfig,
     GraniteMoeSharedConfig,
@@ -79,6 +82,7 @@ from criticalkv.errors import (
     UnknownMethodError,
     UnsupportedModelError,
 )
+from criticalkv.logits import attention_sinks, logit_softcap
 from criticalkv.models import head_dim
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.session import ContextSession
@@ -184,6 +188,17 @@ FAMILIES = {
     "cwm": lambda: CwmConfig(
         **_COMMON, head_dim=16, sliding_window=6, layer_types=["full_attention", "sliding_attention"]
     ),
+    "gemma2": lambda: Gemma2Config(
+        **_COMMON, head_dim=16, sliding_window=6, layer_types=_SLIDING_THEN_FULL, attn_logit_softcapping=1.0
+    ),
+    "gpt_oss": lambda: GptOssConfig(
+        **_COMMON,
+        head_dim=16,
+        sliding_window=6,
+        layer_types=_SLIDING_THEN_FULL,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
     "kolibri1": lambda: Kolibri1Config(
         **_COMMON,
         head_dim=16,
@@ -208,11 +223,17 @@ SLIDING_FAMILIES = {
     "cohere2_moe",
     "cwm",
     "kolibri1",
+    "gemma2",
+    "gpt_oss",
 }
+#: families whose transformers modeling has no SDPA attention (soft-capped logits, sinks): eager only
+EAGER_ONLY = {"gemma2", "gpt_oss"}
 
 
 @functools.cache
-def _model(family: str, attn: str = "sdpa"):
+def _model(family: str, attn: str | None = None):
+    """The family's tiny model under ``attn`` (None: sdpa, or eager for the families without it)."""
+    attn = attn or ("eager" if family in EAGER_ONLY else "sdpa")
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(FAMILIES[family](), attn_implementation=attn, dtype=torch.float32)
     model.eval()
@@ -256,11 +277,27 @@ def _generate_with_cache(model, ids, mask=None, n=NEW):
 _REFERENCE: dict = {"keep": {}, "context": 0}
 
 
+def _family_eager(module, query, key, value, bool_mask, scaling, **kwargs):
+    """The family's own eager attention (Gemma 2's soft cap, gpt-oss's sinks) over a bool mask (True: read)."""
+    additive = None
+    if bool_mask is not None:
+        additive = torch.zeros(bool_mask.shape, dtype=query.dtype).masked_fill_(
+            ~bool_mask, torch.finfo(query.dtype).min
+        )
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    return eager(module, query, key, value, additive, scaling=scaling, dropout=0.0, **kwargs)[0], None
+
+
 def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     keep = _REFERENCE["keep"].get(module.layer_idx)
     t = _REFERENCE["context"]
     n = key.shape[2]
+    scaling = scaling if scaling is not None else module.scaling
+    extras = logit_softcap(module) is not None or attention_sinks(module) is not None
     if keep is None or n <= t:  # the prefill itself, and layers that are not compressed, see everything
+        if extras:
+            mask = None if attention_mask is None else as_bool_mask(attention_mask)
+            return _family_eager(module, query, key, value, mask, scaling, **kwargs)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
@@ -276,12 +313,14 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
     after_context = (torch.arange(n - q, n, device=key.device) >= t)[None, None, :, None]  # (1, 1, q, 1)
     mask = logical & (columns[:, :, None, :] | ~after_context)  # (b, h_kv, q, n)
     g = query.shape[1] // h_kv
+    if extras:
+        return _family_eager(module, query, key, value, mask.repeat_interleave(g, dim=1), scaling, **kwargs)
     out = F.scaled_dot_product_attention(
         query,
         key.repeat_interleave(g, dim=1),
         value.repeat_interleave(g, dim=1),
         attn_mask=mask.repeat_interleave(g, dim=1),
-        scale=scaling if scaling is not None else module.scaling,
+        scale=scaling,
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -340,7 +379,7 @@ def test_each_generate_in_one_block_keeps_only_its_own_prefills_records():
 
 @pytest.mark.parametrize(
     ("family", "attn"),
-    [(f, "sdpa") for f in FAMILIES]
+    [(f, "sdpa") for f in FAMILIES if f not in EAGER_ONLY]
     + [("llama", "eager"), ("gemma3", "eager"), ("granite", "eager")]
     + [(f, "eager") for f in LATER_FAMILIES],
 )
@@ -450,7 +489,7 @@ def test_streaming_equals_masked_dense_reference(family, capture_decisions):
         ("olmo2", "sdpa", "critical-snapkv"),
         ("granite", "sdpa", "critical-snapkv"),
         ("granite", "eager", "critical-snapkv"),
-        *((f, "sdpa", "critical-snapkv") for f in LATER_FAMILIES),
+        *((f, "eager" if f in EAGER_ONLY else "sdpa", "critical-snapkv") for f in LATER_FAMILIES),
         ("llama", "sdpa", "snapkv"),
         ("qwen2", "sdpa", "critical-tova"),
         ("llama", "sdpa", "knorm"),
@@ -474,6 +513,25 @@ def test_per_head_compression_equals_masked_reference(family, attn, method, capt
     ref_tokens, ref_logits = _masked_reference(model, ids, None, keep, t)
     assert (logits - ref_logits).abs().max().item() <= 1e-4
     assert torch.equal(tokens, ref_tokens)
+
+
+def test_soft_capped_or_sink_attention_runs_on_the_segments_path_only(monkeypatch):
+    """Only segment_attention applies Gemma 2's soft cap and gpt-oss's sinks: another forced path is refused."""
+    model = _model("gemma2")
+    monkeypatch.setenv("CRITICALKV_ATTENTION", "padded")
+    with pytest.raises(CriticalKVError, match="segments path"), criticalkv.compress(model, "snapkv", budget=0.3):
+        _generate(model, _ids(40, seed=5))
+
+
+def test_measured_selectors_refuse_sinks_and_take_soft_caps():
+    """The measured perturbation renormalises over the kept entries without the sinks' share: gpt-oss is refused
+    before any forward; Gemma 2's soft cap only changes the logits, which the window's attention applies."""
+    with pytest.raises(UnsupportedModelError, match="sinks"):
+        ContextSession(_model("gpt_oss"), "measured-snapkv", budget=0.3)
+    session = ContextSession(_model("gemma2"), "measured-snapkv", budget=0.3, window=8)
+    session.prefill(_ids(40, seed=6))
+    compressed = [layer for layer in session.cache.layers if isinstance(layer, CompressedLayer)]
+    assert [layer.entries() for layer in compressed] == [2 * 12]  # the full-attention layer: 0.3 of 40 per KV head
 
 
 def test_gemma3_sliding_layers_left_uncompressed(capture_decisions):

@@ -8,6 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import Gemma2Config, GptOssConfig
+from transformers.models.gemma2 import modeling_gemma2 as gemma2_modeling
+from transformers.models.gpt_oss import modeling_gpt_oss as gpt_oss_modeling
 
 from criticalkv.budget import Budget
 from criticalkv.runtime.method import Method
@@ -99,6 +102,39 @@ def test_window_attention_over_many_keys_is_one_product_and_softmax_to_the_bit()
     assert torch.equal(got, torch.softmax(logits, dim=-1))
     naive = _naive_attention(view)[:, :, t - w :].reshape(b, h_kv, g, w, t)
     torch.testing.assert_close(got, naive, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_window_attention_is_the_familys_own_with_soft_cap_or_sinks(family):
+    """Gemma 2 soft-caps its logits, gpt-oss adds a learned sink to each softmax: the window's attention equals the
+    weights of the family's own eager attention (transformers') over the window's rows, padding included."""
+    config_class, modeling = {
+        "gemma2": (Gemma2Config, gemma2_modeling),
+        "gpt_oss": (GptOssConfig, gpt_oss_modeling),
+    }[family]
+    config = config_class(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, attn_logit_softcapping=2.0
+    )
+    config._attn_implementation = "eager"
+    module = modeling.__dict__[f"{config_class.__name__[:-6]}Attention"](config, layer_idx=1)
+    if family == "gpt_oss":
+        with torch.no_grad():
+            module.sinks.copy_(torch.tensor([15.0, 20.0, 25.0, 18.0]))  # per query head, near the largest logits
+    t, w = 30, 8
+    view = _view([t, t - 9], t, h_kv=2, groups=2, d=16, seed=7, scale=3.0)  # logits of several units: the cap bites
+    view.module = module
+    causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & view.valid[:, None, None, :]
+    additive = torch.zeros(causal.shape).masked_fill(~causal, torch.finfo(torch.float32).min)
+    _, weights = modeling.eager_attention_forward(
+        module, view.query, view.keys, view.values, additive, scaling=view.scaling, dropout=0.0, softcap=2.0
+    )  # (b, h_q, t, t); gpt-oss reads its sinks from the module and takes no soft cap
+    want = weights[:, :, t - w :].reshape(2, 2, 2, w, t)
+    got = window_attention(view, w)
+    real = view.valid[:, None, None, None, :].expand_as(got)
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-7)
+    assert bool((got[~real] == 0).all())
+    plain = window_attention(_view([t, t - 9], t, h_kv=2, groups=2, d=16, seed=7, scale=3.0), w)
+    assert (got - plain).abs().max() > 1e-2  # the soft cap or the sinks change the weights
 
 
 def test_snapkv_kernel_option():

@@ -32,6 +32,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from criticalkv.cache.attention import MASKS, base_attention
 from criticalkv.errors import CacheStateError, CriticalKVError, UnsupportedModelError
+from criticalkv.logits import attention_sinks, logit_softcap
 from criticalkv.models.families import attention_modules
 from criticalkv.runtime.compressor import prefill_view
 from criticalkv.scorers import LayerView
@@ -187,6 +188,10 @@ def capture(
     if context_ids.dim() != 2:
         raise CriticalKVError(f"context_ids must be (batch, tokens), got shape {tuple(context_ids.shape)}")
     modules = attention_modules(model)
+    if any(logit_softcap(m) is not None or attention_sinks(m) is not None for m in modules):
+        raise UnsupportedModelError(
+            "the perturbation analysis does not apply soft-capped logits (Gemma 2) or attention sinks (gpt-oss) yet"
+        )
     if any(_ATTR in m.__dict__ for m in modules):
         raise CacheStateError("a capture is already running on this model")
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])

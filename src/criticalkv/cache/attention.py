@@ -23,9 +23,11 @@ from criticalkv.cache.fused_attention import (
     choose_path,
     flash_varlen_attention,
     padded_attention,
+    requested_path,
     uniform_attention,
 )
 from criticalkv.errors import CriticalKVError
+from criticalkv.logits import attention_sinks, logit_softcap, soft_cap_, softmax_with_sinks_
 
 __all__ = [
     "MASKS",
@@ -59,6 +61,8 @@ def segment_attention(
     tail_values: torch.Tensor,
     tail_mask: torch.Tensor,
     scaling: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a compressed layer, segment by segment, over views of its stored entries (in float32: no copy).
 
@@ -67,7 +71,9 @@ def segment_attention(
     transformers' attention functions return. The G query heads of a KV head are folded into the query axis, so
     keys are never repeated. Each segment's logits come from its slice of the flat context and its tail; softmax
     and products run in float32 (as SDPA accumulates; float64 for float64 inputs), blocks of query rows bounding
-    the logits to ``SEGMENT_BLOCK_ELEMENTS``. A query that reads nothing gets zeros, as from SDPA.
+    the logits to ``SEGMENT_BLOCK_ELEMENTS``. A query that reads nothing gets zeros, as from SDPA. ``softcap``
+    (Gemma 2) caps the logits before the masks; ``sinks`` (gpt-oss, (h_q,)) take their share of each softmax
+    (``criticalkv.logits``): the one path that applies either.
     """
     b, h_q, q, d = query.shape
     h_kv = layer.lengths.shape[1]
@@ -80,9 +86,12 @@ def segment_attention(
     if not bool(tail_mask.all()):
         readable = tail_mask[:, 0, None].expand(b, g, q, tail).reshape(b, g * q, tail)
 
+    # (S, G*q, 1): each folded row's sink logit, its query head's
+    row_sinks = None if sinks is None else sinks.to(exact).view(h_kv, g, 1).repeat(b, 1, q).view(segments, g * q, 1)
+
     every_tail = None  # (S, G*q, tail): every tail's logits at once, when small (a decode step)
     if segments * g * q * tail <= SEGMENT_BLOCK_ELEMENTS:
-        every_tail = torch.bmm(folded, tail_k.transpose(1, 2))
+        every_tail = soft_cap_(torch.bmm(folded, tail_k.transpose(1, 2)), softcap)
         if readable is not None:
             every_tail = every_tail.view(b, h_kv, g * q, tail).masked_fill_(~readable[:, None], float("-inf"))
         every_tail = every_tail.view(segments, g * q, tail)
@@ -90,7 +99,7 @@ def segment_attention(
     def tail_logits(segment: int, rows: slice) -> torch.Tensor:  # (r, tail)
         if every_tail is not None:
             return every_tail[segment, rows]
-        logits = folded[segment, rows] @ tail_k[segment].T
+        logits = soft_cap_(folded[segment, rows] @ tail_k[segment].T, softcap)
         return logits if readable is None else logits.masked_fill_(~readable[segment // h_kv, rows], float("-inf"))
 
     offsets = layer.offsets().tolist()
@@ -103,8 +112,12 @@ def segment_attention(
         step = max(1, SEGMENT_BLOCK_ELEMENTS // max(end - start + tail, 1))
         for row in range(0, g * q, step):
             rows = slice(row, row + step)
-            logits = torch.cat([folded[segment, rows] @ keys.T, tail_logits(segment, rows)], dim=1)  # (r, n + tail)
-            weights = torch.softmax(logits, dim=-1)
+            context_logits = soft_cap_(folded[segment, rows] @ keys.T, softcap)
+            logits = torch.cat([context_logits, tail_logits(segment, rows)], dim=1)  # (r, n + tail)
+            if row_sinks is None:
+                weights = torch.softmax(logits, dim=-1)
+            else:
+                weights = softmax_with_sinks_(logits, row_sinks[segment, rows])
             if end == start:  # without context a query may read nothing: zeros, not NaN
                 weights = weights.nan_to_num(0.0)
             context_weights, tail_weights = weights[:, : end - start], weights[:, end - start :]
@@ -120,10 +133,20 @@ def compressed_attention(
     tail_mask: torch.Tensor,
     scaling: float,
     path: str | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a compressed layer by the path ``choose_path`` picks (or ``path``: ``auto``, ``flash``,
     ``uniform``, ``padded``, ``segments``); shapes as in ``segment_attention``. Every path computes the same
-    attention."""
+    attention. With a soft cap or sinks only ``segments`` applies them: another forced path is refused."""
+    if softcap is not None or sinks is not None:
+        forced = requested_path() if path is None else path
+        if forced not in ("auto", "segments"):
+            raise CriticalKVError(
+                f"the {forced} attention path does not apply this model's soft-capped logits or attention sinks: "
+                "only the segments path does"
+            )
+        return segment_attention(query, layer, tail_keys, tail_values, tail_mask, scaling, softcap, sinks)
     chosen = choose_path(query, layer, tail_mask, tail_keys.shape[2], path)
     if chosen == "flash":
         return flash_varlen_attention(query, layer, tail_keys, tail_values, scaling)
@@ -158,7 +181,9 @@ def criticalkv_attention(
     layer = compressor.layer_for(module.layer_idx)
     if layer is not None and layer.is_compressed:
         mask = layer.tail_mask(attention_mask, query.shape[2])
-        out, weights = compressed_attention(query, layer, key, value, mask, scaling), None
+        softcap, sinks = logit_softcap(module), attention_sinks(module)
+        out = compressed_attention(query, layer, key, value, mask, scaling, softcap=softcap, sinks=sinks)
+        weights = None
     else:
         base = base_attention(module, compressor.base_implementation)
 

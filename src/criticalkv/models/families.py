@@ -60,16 +60,14 @@ SUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
         "hyperclovax": "HyperCLOVA X",
         "cwm": "Meta Code World Model",
         "kolibri1": "Kolibri",
+        "gemma2": "Gemma 2",
+        "gpt_oss": "gpt-oss",
     }
 )
 
 #: model types refused for a reason beyond "not tested": what their attention does that criticalkv's does not
 NOT_YET: Mapping[str, str] = MappingProxyType(
     {
-        "gemma2": "Gemma 2 soft-caps its attention logits (tanh), which criticalkv's scorers and its attention over "
-        "compressed caches do not apply yet",
-        "gpt_oss": "gpt-oss adds learned attention sinks to every softmax, which criticalkv's scorers and its "
-        "attention over compressed caches do not apply yet",
         "bitnet": "BitNet normalises the attention output before o_proj, so the value norm ||V W_O|| of CriticalKV "
         "would not measure what an entry adds to the layer's output",
         "qwen3_next": "Qwen3-Next gates the attention output before o_proj and mixes in linear-attention layers, "

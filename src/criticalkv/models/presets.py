@@ -28,9 +28,11 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from criticalkv.errors import CriticalKVError
 from criticalkv.models.families import check_supported
@@ -408,11 +410,17 @@ def _closest_preset(name: str) -> str:
     return f" Did you mean '{close[0]}'?" if close else ""
 
 
+def base_attention_for(config: PretrainedConfig) -> str:
+    """``"sdpa"``, or ``"eager"`` when the config's causal-LM class has no SDPA attention."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
+
+
 def load_model(
     name_or_path: str = DEFAULT_PRESET,
     dtype: torch.dtype | str = "auto",
     device: str | torch.device = "cpu",
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     distributed_config: object | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a supported causal LM and its tokenizer, in eval mode.
@@ -429,7 +437,9 @@ def load_model(
         Where the model runs: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (see ``resolve_device``; checked
         before anything is loaded).
     attn_implementation : str
-        Passed to ``from_pretrained`` (``"sdpa"``, ``"eager"``, ...).
+        ``"sdpa"`` or ``"eager"``, passed to ``from_pretrained``; ``"auto"``: ``"sdpa"``, or ``"eager"`` for the
+        families whose transformers modeling has no SDPA attention (Gemma 2's soft-capped logits, gpt-oss's
+        sinks).
     distributed_config : transformers.distributed.DistributedConfig, optional
         Passed to ``from_pretrained`` to shard the model over the processes torchrun launched (the model then
         stays on the devices transformers places it on; ``device`` is ignored). See
@@ -474,6 +484,8 @@ def load_model(
             "tokenizer."
         ) from err
     check_supported(config)
+    if attn_implementation == "auto":
+        attn_implementation = base_attention_for(config)
     if distributed_config is not None:
         from criticalkv.distributed.layout import check_even_heads, check_parallel_split
 

@@ -67,7 +67,8 @@ def check_compressible(model: PreTrainedModel, method: Method | None) -> None:
     """Refuse, before any forward, a model ``method`` cannot compress: an unsupported family, a model whose every
     attention layer is a sliding-window one (nothing to compress), sliding-window layers with a scorer that
     cannot run beside them (``supports_sliding_windows = False``: reconstruction), or what the scorer's own
-    ``check_model(model)`` refuses (reconstruction: its tokenizer). None (the full cache, in a ``SharedPrefill``):
+    ``check_model(model)`` of the scorer, allocator or selector refuses (reconstruction: its tokenizer; measured
+    selectors: attention sinks). None (the full cache, in a ``SharedPrefill``):
     the family alone."""
     check_supported(model.config)
     if method is None:
@@ -89,9 +90,10 @@ def check_compressible(model: PreTrainedModel, method: Method | None) -> None:
             f"model's {len(kinds)} layers): their caches cannot be rewound after its passes; use a scorer that reads "
             "the prefill alone (snapkv, tova, knorm, ...)"
         )
-    check_model = getattr(scorer, "check_model", None)
-    if check_model is not None:
-        check_model(model)
+    for piece in (scorer, method.allocator, method.selector):
+        check_model = getattr(piece, "check_model", None)
+        if check_model is not None:
+            check_model(model)
 
 
 def require_left_padding(valid: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from criticalkv.distributed.heads import output_projection
+from criticalkv.logits import attention_sinks, logit_softcap, soft_cap_, softmax_with_sinks_
 
 T = TypeVar("T")
 _SHARED = "tensors shared by the layers of a forward"  # LayerView.prefill key: id -> tensor
@@ -183,7 +184,8 @@ def window_logits(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def window_attention(view: LayerView, window: int) -> torch.Tensor:
     """Softmax attention of the last ``window`` queries over all keys, float32: (b, h_kv, G, w, t).
 
-    Causal inside the window, padding keys masked, computed per KV head without repeating the keys.
+    Causal inside the window, padding keys masked, computed per KV head without repeating the keys; with the
+    model's soft cap and attention sinks where it has them (``criticalkv.logits``).
     """
     b, h_kv, t, d = view.keys.shape
     g = view.groups
@@ -196,6 +198,7 @@ def window_attention(view: LayerView, window: int) -> torch.Tensor:
     q = view.query[:, :, -w:, :].to(torch.float32, memory_format=torch.contiguous_format)
     q = q.reshape(b, h_kv, g * w, d) * view.scaling  # (b, h_kv, G*w, d): a view, unless the queries were float32
     logits = window_logits(q, view.keys.float()).view(b, h_kv, g, w, t)  # (b, h_kv, G, w, t)
+    soft_cap_(logits, logit_softcap(view.module))  # Gemma 2, before the masks as in the model
     # causal: only the window's own columns can lie ahead of a window query; (w, w): key after query
     ahead = view.remember_for_prefill(
         ("ahead", w), lambda: torch.ones(w, w, dtype=torch.bool, device=q.device).triu_(1)
@@ -203,6 +206,9 @@ def window_attention(view: LayerView, window: int) -> torch.Tensor:
     logits[..., t - w :].masked_fill_(ahead, float("-inf"))
     if view.padded:
         logits.masked_fill_(~view.valid[:, None, None, None, :], float("-inf"))
+    sinks = attention_sinks(view.module)  # gpt-oss: (h_q,) logits sharing each softmax's denominator
+    if sinks is not None:
+        return softmax_with_sinks_(logits, sinks.float().view(1, h_kv, g, 1, 1))
     if logits.device.type == "cpu":
         return torch.softmax(logits, dim=-1, out=logits)  # in place: no second block to write and read back
     return torch.softmax(logits, dim=-1)
