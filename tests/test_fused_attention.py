@@ -26,6 +26,7 @@ from criticalkv.cache.fused_attention import (
     flash_varlen_attention,
     is_plain_causal,
     padded_attention,
+    padded_segments,
     padding_fits,
     uniform_attention,
     varlen_inputs,
@@ -63,21 +64,32 @@ def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return out
 
 
-def masked_dense(query, keys, values, mask, scaling):
-    """repeat_kv + explicit softmax over a dense (b, h_kv, q, n) mask, in float64; returns (b, q, h_q, d)."""
+def masked_dense(query, keys, values, mask, scaling, softcap=None, sinks=None):
+    """repeat_kv + explicit softmax over a dense (b, h_kv, q, n) mask, in float64; returns (b, q, h_q, d). As
+    Gemma 2's and gpt-oss's eager attention: ``softcap * tanh(logits / softcap)`` before the mask, and a sink logit
+    per query head, (h_q,), as one more softmax column whose weight is dropped."""
     g = query.shape[1] // keys.shape[1]
     k = keys.double().repeat_interleave(g, dim=1)
     v = values.double().repeat_interleave(g, dim=1)
     logits = query.double() @ k.transpose(-1, -2) * scaling
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     logits = logits.masked_fill(~mask.repeat_interleave(g, dim=1), float("-inf"))
-    return (logits.softmax(-1) @ v).transpose(1, 2)
+    if sinks is None:
+        return (logits.softmax(-1) @ v).transpose(1, 2)
+    b, h_q, q, _ = logits.shape
+    column = sinks.double().view(1, h_q, 1, 1).expand(b, h_q, q, 1)
+    weights = torch.cat([logits, column], dim=-1).softmax(-1)[..., :-1]
+    return (weights @ v).transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # a compressed layer with random per-segment budgets, the inputs of its attention, and the dense answer
 
 
-def make_case(b, h_kv, groups, t, d, q, previous, gen, lengths=None, padded_tail=False, dtype=torch.float32):
+def make_case(
+    b, h_kv, groups, t, d, q, previous, gen, lengths=None, padded_tail=False, dtype=torch.float32, extras=None
+):
     """Compress a random (b, h_kv, t, d) prompt to ``lengths`` (b, h_kv) entries per segment (random when None;
     row i > 0 has i * t // 4 leading padding positions that are never kept, as left padding), append ``previous``
     then ``q`` tokens. Returns (layer, query, tail_keys, tail_values, tail_mask, want)."""
@@ -107,12 +119,16 @@ def make_case(b, h_kv, groups, t, d, q, previous, gen, lengths=None, padded_tail
     dense_keys = torch.cat([keys, *(k for k, _ in appended)], dim=2)
     dense_values = torch.cat([values, *(v for _, v in appended)], dim=2)
     dense_mask = torch.cat([keep[:, :, None].expand(b, h_kv, q, t), visible[:, None].expand(b, h_kv, q, tail)], -1)
-    want = masked_dense(query, dense_keys, dense_values, dense_mask, 1 / math.sqrt(d))
+    want = masked_dense(query, dense_keys, dense_values, dense_mask, 1 / math.sqrt(d), **(extras or {}))
     return layer, query, tail_keys, tail_values, tail_mask, want
 
 
-def run_path(path, layer, query, tail_keys, tail_values, tail_mask):
+def run_path(path, layer, query, tail_keys, tail_values, tail_mask, softcap=None, sinks=None):
     scaling = 1 / math.sqrt(query.shape[-1])
+    if softcap is not None or sinks is not None:
+        return compressed_attention(
+            query, layer, tail_keys, tail_values, tail_mask, scaling, path, softcap=softcap, sinks=sinks
+        )
     if path == "flash-reference":  # the flash path's packing and unpacking, with flash-attn's contract in torch
         assert is_plain_causal(tail_mask)
         return flash_varlen_attention(query, layer, tail_keys, tail_values, scaling, kernel=reference_varlen)
@@ -168,6 +184,51 @@ def test_uniform_path_equals_masked_dense_attention(groups, q, padded_tail, kept
         assert out.shape == (b, q, h_kv * groups, 8)
         assert (out.double() - want).abs().max().item() <= 1e-5, path
     assert choose_path(query, layer, tail_mask, tail_keys.shape[2]) == "uniform"
+
+
+@pytest.mark.parametrize("extras", ["softcap", "sinks", "both"])
+@pytest.mark.parametrize("uniform", [False, True])
+@pytest.mark.parametrize("padded_tail", [False, True])
+def test_soft_capped_and_sink_attention_on_every_cpu_path(extras, uniform, padded_tail):
+    """Gemma 2's soft cap and gpt-oss's sinks on the paths that write the attention out (uniform, padded) and the
+    segment loop, against the families' eager attention written in float64."""
+    gen = torch.Generator().manual_seed(7 + 2 * uniform + padded_tail)
+    b, h_kv, groups, t, q = 3, 2, 3, 40, 4
+    lengths = torch.full((b, h_kv), 9) if uniform else torch.randint(1, 11, (b, h_kv), generator=gen)
+    options = {
+        "softcap": 0.7 if extras != "sinks" else None,  # logits of a few units: the cap bites
+        "sinks": torch.randn(h_kv * groups, generator=gen) + 2.0 if extras != "softcap" else None,
+    }
+    layer, query, tail_keys, tail_values, tail_mask, want = make_case(
+        b,
+        h_kv,
+        groups,
+        t,
+        8,
+        q,
+        3,
+        gen,
+        lengths=lengths,
+        padded_tail=padded_tail,
+        dtype=torch.float32,
+        extras=options,
+    )
+    plain = masked_dense(query, *_dense_of(layer, tail_keys, tail_values, tail_mask, t), 1 / math.sqrt(8))
+    assert (plain - want).abs().max() > 1e-2  # the soft cap or the sinks change the output
+    for path in ("uniform", "padded", "segments") if uniform else ("padded", "segments"):
+        out = run_path(path, layer, query, tail_keys, tail_values, tail_mask, **options)
+        assert (out.double() - want).abs().max().item() <= 1e-5, path
+    with pytest.raises(CriticalKVError, match="soft-caps its logits or adds attention sinks"):
+        run_path("flash", layer, query, tail_keys, tail_values, tail_mask, **options)
+
+
+def _dense_of(layer, tail_keys, tail_values, tail_mask, t):
+    """The padded keys, values and (b, h_kv, q, max_len + tail) mask of a compressed layer (its kept entries)."""
+    keys, values, valid = padded_segments(layer, tail_keys, tail_values)
+    b, h_kv, width = valid.shape
+    q = tail_mask.shape[2]
+    mask = torch.cat([valid[:, :, None].expand(b, h_kv, q, width), tail_mask.expand(b, h_kv, q, -1)], dim=-1)
+    return keys, values, mask
 
 
 def test_uniform_width_follows_the_counts():

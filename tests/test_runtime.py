@@ -515,12 +515,18 @@ def test_per_head_compression_equals_masked_reference(family, attn, method, capt
     assert torch.equal(tokens, ref_tokens)
 
 
-def test_soft_capped_or_sink_attention_runs_on_the_segments_path_only(monkeypatch):
-    """Only segment_attention applies Gemma 2's soft cap and gpt-oss's sinks: another forced path is refused."""
-    model = _model("gemma2")
-    monkeypatch.setenv("CRITICALKV_ATTENTION", "padded")
-    with pytest.raises(CriticalKVError, match="segments path"), criticalkv.compress(model, "snapkv", budget=0.3):
-        _generate(model, _ids(40, seed=5))
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_soft_capped_or_sink_attention_is_the_same_on_every_cpu_path(family, monkeypatch):
+    """Gemma 2's soft cap and gpt-oss's sinks on the uniform, padded and segment paths: the same generation."""
+    model, ids = _model(family), _ids(40, seed=5)
+    answers = {}
+    for path in ("uniform", "padded", "segments"):
+        monkeypatch.setenv("CRITICALKV_ATTENTION", path)
+        with criticalkv.compress(model, "snapkv", budget=0.3, window=8):
+            answers[path] = _generate(model, ids)
+    for path in ("padded", "segments"):
+        assert torch.equal(answers[path][0], answers["uniform"][0])
+        assert (answers[path][1] - answers["uniform"][1]).abs().max() <= 1e-5
 
 
 def test_measured_selectors_refuse_sinks_and_take_soft_caps():

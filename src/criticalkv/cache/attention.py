@@ -23,7 +23,6 @@ from criticalkv.cache.fused_attention import (
     choose_path,
     flash_varlen_attention,
     padded_attention,
-    requested_path,
     uniform_attention,
 )
 from criticalkv.errors import CriticalKVError
@@ -73,7 +72,7 @@ def segment_attention(
     and products run in float32 (as SDPA accumulates; float64 for float64 inputs), blocks of query rows bounding
     the logits to ``SEGMENT_BLOCK_ELEMENTS``. A query that reads nothing gets zeros, as from SDPA. ``softcap``
     (Gemma 2) caps the logits before the masks; ``sinks`` (gpt-oss, (h_q,)) take their share of each softmax
-    (``criticalkv.logits``): the one path that applies either.
+    (``criticalkv.logits``).
     """
     b, h_q, q, d = query.shape
     h_kv = layer.lengths.shape[1]
@@ -138,23 +137,17 @@ def compressed_attention(
 ) -> torch.Tensor:
     """Attention of a compressed layer by the path ``choose_path`` picks (or ``path``: ``auto``, ``flash``,
     ``uniform``, ``padded``, ``segments``); shapes as in ``segment_attention``. Every path computes the same
-    attention. With a soft cap or sinks only ``segments`` applies them: another forced path is refused."""
-    if softcap is not None or sinks is not None:
-        forced = requested_path() if path is None else path
-        if forced not in ("auto", "segments"):
-            raise CriticalKVError(
-                f"the {forced} attention path does not apply this model's soft-capped logits or attention sinks: "
-                "only the segments path does"
-            )
-        return segment_attention(query, layer, tail_keys, tail_values, tail_mask, scaling, softcap, sinks)
-    chosen = choose_path(query, layer, tail_mask, tail_keys.shape[2], path)
+    attention, with the model's soft cap (Gemma 2) and sinks (gpt-oss, (h_q,)) where it has them: the uniform and
+    padded paths then write SDPA's products out in float32, and ``flash`` is not taken."""
+    extras = softcap is not None or sinks is not None
+    chosen = choose_path(query, layer, tail_mask, tail_keys.shape[2], path, logits_transformed=extras)
     if chosen == "flash":
         return flash_varlen_attention(query, layer, tail_keys, tail_values, scaling)
     if chosen == "uniform":
-        return uniform_attention(query, layer, tail_keys, tail_values, tail_mask, scaling)
+        return uniform_attention(query, layer, tail_keys, tail_values, tail_mask, scaling, softcap, sinks)
     if chosen == "padded":
-        return padded_attention(query, layer, tail_keys, tail_values, tail_mask, scaling)
-    return segment_attention(query, layer, tail_keys, tail_values, tail_mask, scaling)
+        return padded_attention(query, layer, tail_keys, tail_values, tail_mask, scaling, softcap, sinks)
+    return segment_attention(query, layer, tail_keys, tail_values, tail_mask, scaling, softcap, sinks)
 
 
 def base_attention(module: nn.Module, base: str):

@@ -17,6 +17,9 @@ back) and a dense tail shared in length by every segment. Four paths compute the
 * ``segments``: ``attention.segment_attention``, segment by segment over views of the stored entries (float32
   products and softmax); nothing copied or padded.
 
+With Gemma 2's soft cap or gpt-oss's sinks, which SDPA does not take, ``uniform`` and ``padded`` write the same
+products and softmax out (``explicit_attention``) and ``flash`` is never chosen (forcing it is refused).
+
 ``choose_path`` decides, in this order:
 
 1. ``$CRITICALKV_ATTENTION`` (``auto``, ``flash``, ``uniform``, ``padded``, ``segments``) forces a path; a
@@ -58,6 +61,7 @@ import torch.nn.functional as F
 
 from criticalkv.cache.compressed_layer import CompressedLayer
 from criticalkv.errors import CriticalKVError
+from criticalkv.logits import soft_cap_, softmax_with_sinks_
 
 __all__ = [
     "ATTENTION_ENV_VAR",
@@ -100,6 +104,8 @@ def one_call_attention(
     valid: torch.Tensor | None,
     tail_mask: torch.Tensor,
     scaling: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One SDPA call over every segment laid out densely: its context slots, then its tail.
 
@@ -107,6 +113,8 @@ def one_call_attention(
     are real (None: all are); tail_mask (b, 1, q, tail) bool. The G query heads of a KV head are folded into the
     query axis (keys never repeated). The mask is one row broadcast over the queries when every query reads the
     whole tail (a decode step), and absent when moreover every context slot is real. Returns (b, q, h_q, d).
+    With a soft cap (Gemma 2) or sinks (gpt-oss, (h_q,)), which SDPA does not take, the same products and softmax
+    written out in float32 (``explicit_attention``).
     """
     b, h_q, q, d = query.shape
     h_kv = keys.shape[1]
@@ -125,8 +133,39 @@ def one_call_attention(
             [context.expand(b, heads, g * q, width), folded_tail.expand(b, heads, g * q, tail)], dim=-1
         )  # (b, 1 or h_kv, G*q, width + tail)
     folded = query.reshape(b, h_kv, g * q, d)  # query heads of a KV head are adjacent
+    if softcap is not None or sinks is not None:
+        out = explicit_attention(folded, keys, values, mask, scaling, softcap, sinks)
+        return out.reshape(b, h_q, q, d).transpose(1, 2)
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
     return out.reshape(b, h_q, q, d).transpose(1, 2)  # SDPA on a GPU may return a non-contiguous (b, h, q, d)
+
+
+def explicit_attention(
+    folded: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """SDPA's contract written out, with the soft cap before the mask and the sinks in the softmax
+    (``criticalkv.logits``): folded (b, h_kv, G*q, d) query heads of a KV head adjacent, keys and values
+    (b, h_kv, n, d), mask broadcastable to (b, h_kv, G*q, n) bool or None. Products and softmax in float32 (float64
+    for float64 inputs); returns (b, h_kv, G*q, d) in the query's dtype."""
+    h_kv, rows = folded.shape[1], folded.shape[2]
+    exact = torch.promote_types(folded.dtype, torch.float32)
+    logits = (folded.to(exact) * scaling) @ keys.to(exact).transpose(-1, -2)  # (b, h_kv, G*q, n)
+    soft_cap_(logits, softcap)
+    if mask is not None:
+        logits.masked_fill_(~mask, float("-inf"))
+    if sinks is None:
+        weights = torch.softmax(logits, dim=-1)
+    else:  # each folded row's sink is its query head's: rows (g, q) of KV head k read sinks[k * G + g]
+        g = sinks.numel() // h_kv
+        row_sinks = sinks.to(exact).view(1, h_kv, g, 1).repeat_interleave(rows // g, dim=2)  # (1, h_kv, G*q, 1)
+        weights = softmax_with_sinks_(logits, row_sinks)
+    return (weights @ values.to(exact)).to(folded.dtype)
 
 
 # --- the uniform path ------------------------------------------------------------------------------------------
@@ -139,6 +178,8 @@ def uniform_attention(
     tail_values: torch.Tensor,
     tail_mask: torch.Tensor,
     scaling: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One SDPA call over a layer whose segments all keep the same count; same contract as ``padded_attention``.
 
@@ -156,7 +197,7 @@ def uniform_attention(
     if not (_same_view(tail_keys, own_keys) and _same_view(tail_values, own_values)):
         keys = torch.cat([keys[:, :, :width], tail_keys], dim=2)  # (b, h_kv, L + tail', d)
         values = torch.cat([values[:, :, :width], tail_values], dim=2)
-    return one_call_attention(query, keys, values, None, tail_mask, scaling)
+    return one_call_attention(query, keys, values, None, tail_mask, scaling, softcap, sinks)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -200,6 +241,8 @@ def padded_attention(
     tail_values: torch.Tensor,
     tail_mask: torch.Tensor,
     scaling: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All segments in one SDPA call over padded segments; same contract as ``segment_attention``.
 
@@ -209,7 +252,7 @@ def padded_attention(
     row instead of G * q when every query reads the whole tail, as at a decode step).
     """
     keys, values, valid = padded_segments(layer, tail_keys, tail_values)  # (b, h_kv, max_len + tail, d)
-    return one_call_attention(query, keys, values, valid, tail_mask, scaling)
+    return one_call_attention(query, keys, values, valid, tail_mask, scaling, softcap, sinks)
 
 
 def padding_fits(layer: CompressedLayer, tail: int) -> bool:
@@ -334,17 +377,25 @@ def requested_path() -> str:
 
 
 def choose_path(
-    query: torch.Tensor, layer: CompressedLayer, tail_mask: torch.Tensor, tail: int, path: str | None = None
+    query: torch.Tensor,
+    layer: CompressedLayer,
+    tail_mask: torch.Tensor,
+    tail: int,
+    path: str | None = None,
+    logits_transformed: bool = False,
 ) -> str:
     """The attention path for a compressed layer: ``flash``, ``uniform``, ``padded`` or ``segments`` (module
     docstring). ``path`` overrides ``$CRITICALKV_ATTENTION``. A forced ``flash`` or ``uniform`` that cannot run
-    raises ``CriticalKVError``.
+    raises ``CriticalKVError``. ``logits_transformed`` (a soft cap or sinks, which criticalkv's flash call does not
+    pass on): never ``flash``.
     """
     path = requested_path() if path is None else path
     if path not in PATHS:
         raise CriticalKVError(f"attention path {path!r}: choose one of {', '.join(PATHS)}")
     if path == "flash":
         reasons = flash_reasons(query, tail_mask)
+        if logits_transformed:
+            reasons.append("this model soft-caps its logits or adds attention sinks")
         if reasons:
             raise CriticalKVError(f"the flash attention path cannot run: {'; '.join(reasons)}")
         return path
@@ -356,7 +407,7 @@ def choose_path(
         return path
     if path != "auto":
         return path
-    if not flash_reasons(query, tail_mask):
+    if not logits_transformed and not flash_reasons(query, tail_mask):
         return "flash"
     if layer.uniform_width() is not None:
         return "uniform"
