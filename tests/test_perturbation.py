@@ -563,7 +563,7 @@ def test_soft_capped_or_sink_attention_is_refused(family):
         "gpt_oss": (GptOssConfig, {"head_dim": 16, "num_local_experts": 2, "num_experts_per_tok": 1}),
     }[family]
     model = _tiny_model("eager", config_class, **extra)
-    with pytest.raises(UnsupportedModelError, match="soft-capped logits .* or attention sinks"):
+    with pytest.raises(UnsupportedModelError, match=r"soft-capped logits .* or attention sinks"):
         capture(model, _ids(60, 5), _ids(6, 6), generate=2)
 
 

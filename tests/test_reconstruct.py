@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, DynamicCache, Gemma3TextConfig, LlamaConfig
+from transformers import AutoModelForCausalLM, DynamicCache, Gemma2Config, Gemma3TextConfig, LlamaConfig
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedLayer
@@ -45,6 +45,8 @@ def _model(kind: str = "llama", attn: str = "sdpa"):
         config = Gemma3TextConfig(
             num_hidden_layers=2, sliding_window=16, layer_types=["sliding_attention", "full_attention"], **common
         )
+    elif kind == "gemma2":  # every layer full attention: only its soft cap stands in the way
+        config = Gemma2Config(num_hidden_layers=2, layer_types=["full_attention"] * 2, **common)
     else:
         config = LlamaConfig(num_hidden_layers=2, **common)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32).eval()
@@ -364,6 +366,12 @@ def test_sliding_window_models_are_refused_before_any_forward(tiny_tokenizer, pr
     model = _model("gemma3")
     with pytest.raises(UnsupportedModelError, match=r"ReconstructionScorer does not support .* sliding-window layers"):
         ContextSession(model, build_method(preset, tokenizer=tiny_tokenizer), budget)
+
+
+def test_soft_capped_logits_are_refused_before_any_forward(tiny_tokenizer):
+    """The probe recomputes the softmax without Gemma 2's soft cap (or gpt-oss's sinks): refused, not approximated."""
+    with pytest.raises(UnsupportedModelError, match="soft-capped logits"):
+        ContextSession(_model("gemma2", "eager"), build_method("reconstruct", tokenizer=tiny_tokenizer), 0.3)
 
 
 def test_scorer_refuses_per_layer_use_and_bad_options():
