@@ -145,6 +145,25 @@ def short_model(tmp_path_factory, tiny_tokenizer) -> Path:
     )
 
 
+def test_run_on_a_family_without_sdpa_loads_it_with_eager_attention(tmp_path, tiny_tokenizer):
+    """Gemma 2 has no SDPA attention in transformers: the CLI's default picks eager, and compresses."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16)
+    config = Gemma2Config(vocab_size=len(tiny_tokenizer), num_key_value_heads=1, sliding_window=64, **shape)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gemma2")
+    tiny_tokenizer.save_pretrained(tmp_path / "gemma2")
+    out = tmp_path / "run.json"
+    args = ["run", "--model", str(tmp_path / "gemma2"), "--method", "critical-snapkv", "--context-tokens", "300"]
+    result = CliRunner().invoke(app, [*args, "--device", "cpu", "--json", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["attention"] == "eager"
+    compressed = next(r for r in report["results"] if r["method"] == "critical-snapkv")
+    assert compressed["kept_entries"] < compressed["full_entries"]
+
+
 def test_context_longer_than_the_model_refused_before_prefill(short_model, tmp_path, monkeypatch):
     def prefill(*args, **kwargs):
         raise AssertionError("a prefill ran")

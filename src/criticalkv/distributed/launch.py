@@ -103,7 +103,7 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     tp_size: int | None = None,
     pp_size: int | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     device: str = "auto",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``criticalkv.models.load_model``, split over the processes ``torchrun`` launched.
