@@ -61,6 +61,7 @@ from transformers import (
     OlmoConfig,
     OlmoeConfig,
     Phi3Config,
+    PhimoeConfig,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
@@ -405,6 +406,7 @@ FAMILY_CONFIGS = [
     Kolibri1Config(**TINY, head_dim=32),
     Gemma2Config(**TINY, head_dim=32),
     GptOssConfig(**TINY, head_dim=32),
+    PhimoeConfig(**TINY),
 ]
 #: the families whose config above sets head_dim (32); the others derive it, 64 // 4
 HEAD_DIM_SET = (
@@ -485,6 +487,7 @@ def test_every_family_is_covered() -> None:
         "kolibri1",
         "gemma2",
         "gpt_oss",
+        "phimoe",
     )
     assert {c.model_type for c in FAMILY_CONFIGS} == set(SUPPORTED_FAMILIES)
 

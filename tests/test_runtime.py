@@ -59,6 +59,7 @@ from transformers import (
     OlmoConfig,
     OlmoeConfig,
     Phi3Config,
+    PhimoeConfig,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
@@ -199,6 +200,7 @@ FAMILIES = {
         num_local_experts=4,
         num_experts_per_tok=2,
     ),
+    "phimoe": lambda: PhimoeConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2),
     "kolibri1": lambda: Kolibri1Config(
         **_COMMON,
         head_dim=16,

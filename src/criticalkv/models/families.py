@@ -62,6 +62,7 @@ SUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
         "kolibri1": "Kolibri",
         "gemma2": "Gemma 2",
         "gpt_oss": "gpt-oss",
+        "phimoe": "Phi-3.5-MoE",
     }
 )
 
