@@ -103,7 +103,14 @@ def test_kept_whole_is_bit_identical_on_cuda(family, dtype):
 @needs_cuda
 @pytest.mark.parametrize(
     ("family", "method"),
-    [("llama", "critical-snapkv"), ("qwen2", "critical-adakv"), ("gemma3", "critical-snapkv"), ("llama", "snapkv")],
+    [
+        ("llama", "critical-snapkv"),
+        ("qwen2", "critical-adakv"),
+        ("gemma3", "critical-snapkv"),
+        ("llama", "snapkv"),
+        ("gemma2", "critical-snapkv"),  # soft-capped logits, eager attention
+        ("gpt_oss", "critical-adakv"),  # attention sinks, eager attention
+    ],
 )
 def test_compression_on_cuda_equals_masked_reference_and_the_cpu(family, method, capture_decisions):
     t, options = 48, {"window": 8}

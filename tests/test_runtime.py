@@ -283,7 +283,7 @@ def _family_eager(module, query, key, value, bool_mask, scaling, **kwargs):
     """The family's own eager attention (Gemma 2's soft cap, gpt-oss's sinks) over a bool mask (True: read)."""
     additive = None
     if bool_mask is not None:
-        additive = torch.zeros(bool_mask.shape, dtype=query.dtype).masked_fill_(
+        additive = torch.zeros(bool_mask.shape, dtype=query.dtype, device=bool_mask.device).masked_fill_(
             ~bool_mask, torch.finfo(query.dtype).min
         )
     eager = sys.modules[type(module).__module__].eager_attention_forward
