@@ -222,6 +222,22 @@ def test_soft_capped_and_sink_attention_on_every_cpu_path(extras, uniform, padde
         run_path("flash", layer, query, tail_keys, tail_values, tail_mask, **options)
 
 
+@pytest.mark.parametrize("extras", [{"softcap": 0.7}, {"sinks": torch.tensor([1.0, 2.0, 0.5, -1.0])}])
+def test_a_query_that_reads_nothing_gets_zeros_with_a_soft_cap_or_sinks(extras):
+    """A segment that kept nothing and a padding query that reads no tail entry: zeros, as from SDPA and the segment
+    loop; a NaN there would reach every later layer through the padding position's keys and values."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([[0, 5]])  # KV head 0 kept nothing
+    layer, query, tail_keys, tail_values, tail_mask, _ = make_case(1, 2, 2, 20, 8, 2, 2, gen, lengths=lengths)
+    tail_mask = tail_mask.clone()
+    tail_mask[0, 0, 0] = False  # the first query reads no tail entry (a padding position of the question)
+    outs = {path: run_path(path, layer, query, tail_keys, tail_values, tail_mask, **extras) for path in PATHS[:2]}
+    for path, out in outs.items():
+        assert not bool(out.isnan().any()), path
+        assert bool((out[0, 0, :2] == 0).all()), path  # query 0 of KV head 0's two query heads
+    torch.testing.assert_close(outs["padded"], outs["segments"], rtol=1e-5, atol=1e-6)
+
+
 def _dense_of(layer, tail_keys, tail_values, tail_mask, t):
     """The padded keys, values and (b, h_kv, q, max_len + tail) mask of a compressed layer (its kept entries)."""
     keys, values, valid = padded_segments(layer, tail_keys, tail_values)

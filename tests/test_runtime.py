@@ -531,6 +531,13 @@ def test_soft_capped_or_sink_attention_is_the_same_on_every_cpu_path(family, mon
         assert (answers[path][1] - answers["uniform"][1]).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_forcing_flash_on_soft_capped_or_sink_attention_is_refused_before_any_forward(family, monkeypatch):
+    monkeypatch.setenv("CRITICALKV_ATTENTION", "flash")
+    with pytest.raises(UnsupportedModelError, match="CRITICALKV_ATTENTION=flash"):
+        ContextSession(_model(family), "snapkv", budget=0.3)
+
+
 def test_measured_selectors_refuse_sinks_and_take_soft_caps():
     """The measured perturbation renormalises over the kept entries without the sinks' share: gpt-oss is refused
     before any forward; Gemma 2's soft cap only changes the logits, which the window's attention applies."""

@@ -5,7 +5,9 @@ attention itself (scorers' windows, attention over compressed layers).
 * gpt-oss adds a learned logit per query head to every softmax's denominator, a "sink" with no value
   (``module.sinks``): the weights of the real entries sum to less than one.
 
-Both are read from the attention module, as transformers' eager functions of these families read them.
+Both are read from the attention module of the families whose attention functions receive them, as transformers'
+eager functions of these families read them (``criticalkv.cache.attention`` checks, call by call, that a model
+passes its attention function nothing else of the kind).
 """
 
 from __future__ import annotations
@@ -13,17 +15,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+#: model types whose attention modules pass ``softcap=module.attn_logit_softcapping`` to their attention function
+SOFT_CAPPED = frozenset({"gemma2"})
+#: model types whose attention modules pass ``s_aux=module.sinks`` (one learned logit per query head)
+WITH_SINKS = frozenset({"gpt_oss"})
+
+
+def _model_type(module: nn.Module) -> str | None:
+    return getattr(getattr(module, "config", None), "model_type", None)
+
 
 def logit_softcap(module: nn.Module) -> float | None:
-    """The soft cap of the module's attention logits (Gemma 2), None for none."""
-    cap = getattr(module, "attn_logit_softcapping", None)
+    """The soft cap of the module's attention logits (Gemma 2), None for none. Gemma 3's modules also hold an
+    ``attn_logit_softcapping`` attribute but never pass it to their attention: read for ``SOFT_CAPPED`` only."""
+    cap = getattr(module, "attn_logit_softcapping", None) if _model_type(module) in SOFT_CAPPED else None
     return None if cap is None else float(cap)
 
 
 def attention_sinks(module: nn.Module) -> torch.Tensor | None:
     """The module's learned sink logit of each query head (gpt-oss), (h_q,); None for none."""
-    sinks = getattr(module, "sinks", None)
-    return sinks if isinstance(sinks, torch.Tensor) else None
+    return module.sinks if _model_type(module) in WITH_SINKS else None
 
 
 def soft_cap_(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -140,6 +140,8 @@ def compressed_attention(
     attention, with the model's soft cap (Gemma 2) and sinks (gpt-oss, (h_q,)) where it has them: the uniform and
     padded paths then write SDPA's products out in float32, and ``flash`` is not taken."""
     extras = softcap is not None or sinks is not None
+    if sinks is not None and sinks.numel() != query.shape[1]:
+        raise CriticalKVError(f"{sinks.numel()} attention sinks for {query.shape[1]} query heads")
     chosen = choose_path(query, layer, tail_mask, tail_keys.shape[2], path, logits_transformed=extras)
     if chosen == "flash":
         return flash_varlen_attention(query, layer, tail_keys, tail_values, scaling)
@@ -157,6 +159,20 @@ def base_attention(module: nn.Module, base: str):
     return ALL_ATTENTION_FUNCTIONS[base]
 
 
+def check_logit_inputs(module: nn.Module, kwargs: dict) -> None:
+    """Refuse a call whose soft cap or sinks are not what ``criticalkv.logits`` reads from its module: criticalkv's
+    scorers and compressed attention would compute another attention than the model's."""
+    passed_cap = kwargs.get("softcap")
+    passed_sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if (passed_cap is None) != (logit_softcap(module) is None) or (passed_sinks is None) != (
+        attention_sinks(module) is None
+    ):
+        raise CriticalKVError(
+            f"{type(module).__name__} passes its attention function a soft cap or attention sinks that criticalkv "
+            "does not apply to it: its scores and compressed attention would not be the model's"
+        )
+
+
 def criticalkv_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -172,6 +188,8 @@ def criticalkv_attention(
         raise CriticalKVError("criticalkv attention runs only on a model prepared by criticalkv.compress")
     scaling = module.scaling if scaling is None else scaling
     layer = compressor.layer_for(module.layer_idx)
+    if layer is not None:
+        check_logit_inputs(module, kwargs)
     if layer is not None and layer.is_compressed:
         mask = layer.tail_mask(attention_mask, query.shape[2])
         softcap, sinks = logit_softcap(module), attention_sinks(module)

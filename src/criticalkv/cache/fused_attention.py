@@ -88,6 +88,8 @@ CPU_PADDED_MAX_BYTES = 4 * 2**20
 CPU_SEGMENT_ENTRIES = 256
 #: On CUDA, the padded path runs when its padded key tensor takes at most this many bytes.
 CUDA_PADDED_MAX_BYTES = 2**30
+#: Logits of one block of query rows in ``explicit_attention`` (float32 elements: 16 MiB), as ``segment_attention``.
+EXPLICIT_BLOCK_ELEMENTS = 2**22
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
 
@@ -151,21 +153,31 @@ def explicit_attention(
 ) -> torch.Tensor:
     """SDPA's contract written out, with the soft cap before the mask and the sinks in the softmax
     (``criticalkv.logits``): folded (b, h_kv, G*q, d) query heads of a KV head adjacent, keys and values
-    (b, h_kv, n, d), mask broadcastable to (b, h_kv, G*q, n) bool or None. Products and softmax in float32 (float64
-    for float64 inputs); returns (b, h_kv, G*q, d) in the query's dtype."""
-    h_kv, rows = folded.shape[1], folded.shape[2]
+    (b, h_kv, n, d), mask broadcastable to (b, h_kv, G*q, n) bool or None; sinks (h_q,). Products and softmax in
+    float32 (float64 for float64 inputs), blocks of query rows bounding the logits to ``EXPLICIT_BLOCK_ELEMENTS``; a
+    row that reads nothing gets zeros, as from SDPA. Returns (b, h_kv, G*q, d) in the query's dtype."""
+    b, h_kv, rows, d = folded.shape
+    n = keys.shape[2]
     exact = torch.promote_types(folded.dtype, torch.float32)
-    logits = (folded.to(exact) * scaling) @ keys.to(exact).transpose(-1, -2)  # (b, h_kv, G*q, n)
-    soft_cap_(logits, softcap)
-    if mask is not None:
-        logits.masked_fill_(~mask, float("-inf"))
-    if sinks is None:
-        weights = torch.softmax(logits, dim=-1)
-    else:  # each folded row's sink is its query head's: rows (g, q) of KV head k read sinks[k * G + g]
+    keys_t, values_x = keys.to(exact).transpose(-1, -2), values.to(exact)  # (b, h_kv, d, n), (b, h_kv, n, d)
+    row_sinks = None  # (1, h_kv, G*q, 1): rows (g, q) of KV head k read sinks[k * G + g]
+    if sinks is not None:
         g = sinks.numel() // h_kv
-        row_sinks = sinks.to(exact).view(1, h_kv, g, 1).repeat_interleave(rows // g, dim=2)  # (1, h_kv, G*q, 1)
-        weights = softmax_with_sinks_(logits, row_sinks)
-    return (weights @ values.to(exact)).to(folded.dtype)
+        row_sinks = sinks.to(exact).view(1, h_kv, g, 1).repeat_interleave(rows // g, dim=2)
+    out = folded.new_empty(b, h_kv, rows, d)
+    step = max(1, EXPLICIT_BLOCK_ELEMENTS // max(b * h_kv * n, 1))
+    for start in range(0, rows, step):
+        part = slice(start, start + step)
+        logits = (folded[:, :, part].to(exact) * scaling) @ keys_t  # (b, h_kv, r, n)
+        soft_cap_(logits, softcap)
+        if mask is not None:
+            logits.masked_fill_(~(mask if mask.shape[2] == 1 else mask[:, :, part]), float("-inf"))
+        if row_sinks is None:
+            weights = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+        else:
+            weights = softmax_with_sinks_(logits, row_sinks[:, :, part])
+        out[:, :, part] = weights @ values_x
+    return out
 
 
 # --- the uniform path ------------------------------------------------------------------------------------------

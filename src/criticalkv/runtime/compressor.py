@@ -28,8 +28,10 @@ from transformers.cache_utils import Cache
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer, attention
 from criticalkv.cache.compressed_cache import release_views
+from criticalkv.cache.fused_attention import ATTENTION_ENV_VAR, requested_path
 from criticalkv.distributed.layout import check_model
 from criticalkv.errors import CacheStateError, PaddingError, UnsupportedModelError
+from criticalkv.logits import attention_sinks, logit_softcap
 from criticalkv.models.families import attention_modules, check_supported, layer_types, text_config
 from criticalkv.runtime.method import Method
 from criticalkv.scorers import LayerView
@@ -89,6 +91,13 @@ def check_compressible(model: PreTrainedModel, method: Method | None) -> None:
             f"{type(scorer).__name__} does not support models with sliding-window layers yet ({sliding} of this "
             f"model's {len(kinds)} layers): their caches cannot be rewound after its passes; use a scorer that reads "
             "the prefill alone (snapkv, tova, knorm, ...)"
+        )
+    if requested_path() == "flash" and any(
+        logit_softcap(m) is not None or attention_sinks(m) is not None for m in attention_modules(model)
+    ):
+        raise UnsupportedModelError(
+            f"{ATTENTION_ENV_VAR}=flash: this model soft-caps its attention logits or adds attention sinks, which "
+            "criticalkv's flash-attn call does not pass on; leave the path to criticalkv"
         )
     for piece in (scorer, method.allocator, method.selector):
         check_model = getattr(piece, "check_model", None)
