@@ -63,9 +63,16 @@ def prepared_items(args: argparse.Namespace, folder: Path, tokenizer) -> tuple[l
     """The samples and their token ids, generated once per output folder and settings (samples.jsonl)."""
     settings = {k: str(getattr(args, k)) for k in ("model", "samples", "length", "budget", "max_new_tokens", "seed")}
     path, settings_path = args.out / "samples.jsonl", args.out / "settings.json"
-    if path.exists() and settings_path.exists() and json.loads(settings_path.read_text()) == settings:
+    stored = json.loads(settings_path.read_text()) if settings_path.exists() else None
+    if path.exists() and stored == settings:
         items = _read_jsonl(path)
         return items, [ruler.RulerSample(**item["sample"]) for item in items]
+    answers = sorted(p.name for p in (*args.out.glob("ours*.jsonl"), *args.out.glob("kvpress*.jsonl")))
+    if answers:  # answers are keyed by sample name: new samples would be matched with the old answers
+        raise SystemExit(
+            f"{args.out} holds answers ({', '.join(answers)}) to the samples of other settings ({stored}, now "
+            f"{settings}): use another --out"
+        )
     max_length = getattr(AutoConfig.from_pretrained(folder), "max_position_embeddings", None)
     samples = round_robin_samples(tokenizer, args.samples, args.length, args.seed, max_length)
     items = []
@@ -99,15 +106,33 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def our_answers(model, items: list[dict], methods: list[str], budget: str, eos: set[int], path: Path) -> None:
+def check_answer_settings(args: argparse.Namespace) -> None:
+    """Refuse to add answers of another dtype or window to a folder's answers (answers.json records them)."""
+    settings = {"dtype": args.dtype, "window": args.window}
+    path = args.out / "answers.json"
+    if path.exists() and json.loads(path.read_text()) != settings:
+        raise SystemExit(f"{args.out} holds answers of {path.read_text()}, not {settings}: use another --out")
+    path.write_text(json.dumps(settings))
+
+
+#: presets with a SnapKV observation window, the one kvpress's presses take as window_size
+WINDOWED = ("snapkv", "critical-snapkv", "adakv", "critical-adakv")
+
+
+def our_answers(
+    model, items: list[dict], methods: list[str], budget: str, window: int, eos: set[int], path: Path
+) -> None:
     """Append criticalkv's answers per sample to ``path``, one prefill per sample; samples every method has
-    answered there already are skipped (the last line of a sample wins when results are read)."""
+    answered there already are skipped (the last complete line of a sample wins when results are read)."""
     done = {row["key"] for row in _read_jsonl(path) if set(methods) <= set(row["tokens"])}
     with path.open("a") as sink:
         for number, item in enumerate(items, 1):
             if item["key"] in done:
                 continue
-            targets = [(m, m, 1.0 if m == "full" else budget) for m in methods]
+            targets = [
+                (m, build_method(m, window=window) if m in WINDOWED else m, 1.0 if m == "full" else budget)
+                for m in methods
+            ]
             sessions = SharedPrefill(model, targets).prefill(torch.tensor([item["context_ids"]]))
             tokens = {}
             for method in methods:
@@ -162,20 +187,23 @@ def kept_difference(model, folder: Path, context_ids: list[int], method: str, bu
     }
 
 
-def both_answered(ours_rows: list[dict], theirs_rows: list[dict], methods: list[str]) -> set[str]:
-    """Keys of the samples every method of ours and every matching press of kvpress's have answered."""
-    ours = {row["key"] for row in ours_rows if set(methods) <= set(row["tokens"])}
-    presses: dict[str, set[str]] = {}
-    for row in theirs_rows:
-        presses.setdefault(row["key"], set()).add(row["press"])
-    wanted = {PRESS_OF[m] for m in methods}
-    return {key for key in ours if wanted <= presses.get(key, set())}
-
-
-def compare(items, ours_rows, theirs_rows, samples, tokenizer, methods) -> dict:
-    """Agreement and scores per method, and the disagreements."""
-    ours = {row["key"]: row["tokens"] for row in ours_rows}
+def answer_tables(
+    ours_rows: list[dict], theirs_rows: list[dict], methods: list[str]
+) -> tuple[dict[str, dict], dict[tuple[str, str], list[int]]]:
+    """Each system's answers as read by the report: ours, sample -> {method: tokens} from its last line that
+    answers every method; kvpress's, (sample, press) -> tokens from its last line."""
+    ours = {row["key"]: row["tokens"] for row in ours_rows if set(methods) <= set(row["tokens"])}
     theirs = {(row["key"], row["press"]): row["tokens"] for row in theirs_rows}
+    return ours, theirs
+
+
+def both_answered(ours: dict[str, dict], theirs: dict[tuple[str, str], list[int]], methods: list[str]) -> set[str]:
+    """Samples every method of ours and every matching press of kvpress's have answered (``answer_tables``)."""
+    return {key for key in ours if all((key, PRESS_OF[m]) in theirs for m in methods)}
+
+
+def compare(items, ours, theirs, samples, tokenizer, methods) -> dict:
+    """Agreement and scores per method, and the disagreements; ``ours`` and ``theirs`` from ``answer_tables``."""
     by_key = {item["key"]: (item, sample) for item, sample in zip(items, samples, strict=True)}
     report = {}
     for method in methods:
@@ -259,8 +287,11 @@ def main() -> None:
     suffix = "" if args.samples_from == 1 else f"_from_{args.samples_from}"
     if not 1 <= args.samples_from <= len(items):
         raise SystemExit(f"--samples-from must be within 1..{len(items)}")
+    if stages & {"ours", "kvpress"}:
+        check_answer_settings(args)
     if "ours" in stages:
-        our_answers(model, items[args.samples_from - 1 :], methods, args.budget, eos, args.out / f"ours{suffix}.jsonl")
+        ours_path = args.out / f"ours{suffix}.jsonl"
+        our_answers(model, items[args.samples_from - 1 :], methods, args.budget, args.window, eos, ours_path)
     if "kvpress" in stages:
         samples_file = args.out / f"samples{suffix}.jsonl"
         if suffix:
@@ -271,13 +302,14 @@ def main() -> None:
 
     ours_rows = [row for path in sorted(args.out.glob("ours*.jsonl")) for row in _read_jsonl(path)]
     theirs_rows = [row for path in sorted(args.out.glob("kvpress*.jsonl")) for row in _read_jsonl(path)]
-    answered = both_answered(ours_rows, theirs_rows, methods)
+    ours, theirs = answer_tables(ours_rows, theirs_rows, methods)
+    answered = both_answered(ours, theirs, methods)
     paired = [(item, sample) for item, sample in zip(items, samples, strict=True) if item["key"] in answered]
     if not paired:
         raise SystemExit(f"no sample in {args.out} has been answered by both systems yet")
     print(f"report on {len(paired)} of {len(items)} samples (those both systems answered)")
     items, samples = [item for item, _ in paired], [sample for _, sample in paired]
-    report = compare(items, ours_rows, theirs_rows, samples, tokenizer, methods)
+    report = compare(items, ours, theirs, samples, tokenizer, methods)
     if args.explain:
         context_of = {item["key"]: item["context_ids"] for item in items}
         for method, result in report.items():

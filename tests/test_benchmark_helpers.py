@@ -27,7 +27,7 @@ from plot_benchmarks import (
     presets_table,
 )
 from prefill_overhead import run_ratios
-from quality_vs_kvpress import both_answered, trim_at_eos
+from quality_vs_kvpress import answer_tables, both_answered, trim_at_eos
 from speed_memory import kvpress_ratio, run_child, summarise
 
 
@@ -67,7 +67,12 @@ def test_a_report_pairs_only_samples_every_method_of_both_systems_answered() -> 
         {"key": k, "press": p, "tokens": [1]} for k, p in [("a", "none"), ("a", "critical-snapkv"), ("b", "none")]
     ]
     theirs += [{"key": "b", "press": "critical-snapkv", "tokens": [1]}, {"key": "c", "press": "none", "tokens": [1]}]
-    assert both_answered(ours, theirs, methods) == {"a"}  # b lacks ours, c lacks kvpress's critical-snapkv
+    ours_table, theirs_table = answer_tables(ours, theirs, methods)
+    assert both_answered(ours_table, theirs_table, methods) == {"a"}  # b lacks ours, c kvpress's critical-snapkv
+    later = [{"key": "b", "tokens": {"full": [3], "critical-snapkv": [4]}}, {"key": "b", "tokens": {"full": [5]}}]
+    ours_table, _ = answer_tables(ours + later, theirs, methods)  # an incomplete last line does not replace
+    assert ours_table["b"] == {"full": [3], "critical-snapkv": [4]}
+    assert both_answered(ours_table, theirs_table, methods) == {"a", "b"}
 
 
 def _run(system: str, method: str, ttft: float, kv: int) -> dict:
