@@ -69,9 +69,10 @@ class SharedPrefill(Compressor):
         if len({t.label for t in built}) != len(built):
             raise CriticalKVError("target labels must be unique")
         first = next((t.method for t in built if t.method is not None), None)
-        super().__init__(model, first, Budget(1.0))
-        for target in built:  # every target, before the prefill
-            check_compressible(model, target.method)
+        super().__init__(model, first, Budget(1.0))  # checks the first method
+        for target in built:  # every other target, before the prefill
+            if target.method is not first:
+                check_compressible(model, target.method)
         self.targets = built
 
     @torch.no_grad()
