@@ -185,6 +185,24 @@ def test_context_longer_than_the_model_refused_before_prefill(short_model, tmp_p
     )
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_perturbation_refuses_soft_caps_and_sinks_before_loading_or_measuring(tmp_path, monkeypatch, family):
+    """The capture refused these families only after the model's load (and any --exhaustive-check)."""
+    from transformers import Gemma2Config, GptOssConfig
+
+    def measured(**_) -> None:
+        raise AssertionError("the exhaustive check ran before the model was checked")
+
+    monkeypatch.setattr("criticalkv.analysis.command.run_exhaustive_check", measured)
+
+    config_class = {"gemma2": Gemma2Config, "gpt_oss": GptOssConfig}[family]
+    config_class(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2).save_pretrained(
+        tmp_path / "model"
+    )  # config only: a load would stop at "holds no weights"
+    args = ["perturbation", "--model", str(tmp_path / "model"), "--samples", "1", "--out", str(tmp_path / "p")]
+    _refused([*args, "--exhaustive-check"], "soft-capped logits (Gemma 2) or attention sinks (gpt-oss)")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -355,6 +355,19 @@ def test_a_folder_without_weights_or_tokenizer_is_refused_before_loading(tmp_pat
         load_model(str(tmp_path))
 
 
+def test_check_config_runs_before_any_weight_is_read(tmp_path: Path) -> None:
+    LlamaConfig(**TINY).save_pretrained(tmp_path)  # config only: reading weights would fail ("holds no weights")
+    seen = []
+
+    def refuse(config) -> None:
+        seen.append(config.model_type)
+        raise CriticalKVError("refused by the caller")
+
+    with pytest.raises(CriticalKVError, match="refused by the caller"):
+        load_model(str(tmp_path), check_config=refuse)
+    assert seen == ["llama"]
+
+
 # ---------------------------------------------------------------- families
 
 

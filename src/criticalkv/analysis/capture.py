@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers import AttentionInterface, DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 from criticalkv.cache.attention import MASKS, base_attention
 from criticalkv.errors import CacheStateError, CriticalKVError, UnsupportedModelError
-from criticalkv.logits import attention_sinks, logit_softcap
-from criticalkv.models.families import attention_modules
+from criticalkv.logits import SOFT_CAPPED, WITH_SINKS
+from criticalkv.models.families import attention_modules, text_config
 from criticalkv.runtime.compressor import prefill_view
 from criticalkv.scorers import LayerView
 
@@ -154,6 +154,17 @@ def _forward(model, ids, mask, cache, hidden: bool):
     )
 
 
+def check_capturable(config: PretrainedConfig) -> None:
+    """Refuse a family whose attention logits the perturbation measure does not reproduce: Gemma 2's soft cap
+    (when its config sets one), gpt-oss's sinks. Reads the config alone: a command checks it before loading."""
+    text = text_config(config)
+    capped = text.model_type in SOFT_CAPPED and getattr(text, "attn_logit_softcapping", None) is not None
+    if capped or text.model_type in WITH_SINKS:
+        raise UnsupportedModelError(
+            "the perturbation analysis does not apply soft-capped logits (Gemma 2) or attention sinks (gpt-oss) yet"
+        )
+
+
 @torch.no_grad()
 def capture(
     model: PreTrainedModel,
@@ -187,11 +198,8 @@ def capture(
         raise UnsupportedModelError(f"capture needs a model with sdpa or eager attention, not {base!r}")
     if context_ids.dim() != 2:
         raise CriticalKVError(f"context_ids must be (batch, tokens), got shape {tuple(context_ids.shape)}")
+    check_capturable(model.config)
     modules = attention_modules(model)
-    if any(logit_softcap(m) is not None or attention_sinks(m) is not None for m in modules):
-        raise UnsupportedModelError(
-            "the perturbation analysis does not apply soft-capped logits (Gemma 2) or attention sinks (gpt-oss) yet"
-        )
     if any(_ATTR in m.__dict__ for m in modules):
         raise CacheStateError("a capture is already running on this model")
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])

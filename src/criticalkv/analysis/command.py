@@ -19,8 +19,9 @@ import torch
 import transformers
 import typer
 from rich.table import Table
+from transformers import PretrainedConfig
 
-from criticalkv.analysis.capture import capture
+from criticalkv.analysis.capture import capture, check_capturable
 from criticalkv.analysis.exhaustive import MAX_ENTRIES as EXHAUSTIVE_MAX_ENTRIES
 from criticalkv.analysis.exhaustive import exhaustive_check as run_exhaustive_check
 from criticalkv.analysis.perturbation import (
@@ -400,6 +401,18 @@ def run_analysis(
         "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
         "log_base": 10,
     }
+    if n > 0:  # before the exhaustive check: a model refused costs nothing of it, a family refused no load
+        from criticalkv.models.presets import PRESETS as MODEL_PRESETS
+        from criticalkv.models.presets import load_model, load_notes
+
+        def check_config(config: PretrainedConfig) -> None:
+            check_capturable(config)
+            check_length(config, length, "--length")
+
+        with console.status(f"loading {model}"):
+            lm, tokenizer = load_model(model, dtype=dtype, device=device, check_config=check_config)
+        for note in load_notes(lm, tokenizer):
+            console.print(note, style="dim", markup=False)
     exhaustive = None
     if exhaustive_check:
         with console.status("exhaustive check: brute-force optimum on random heads"):
@@ -421,14 +434,6 @@ def run_analysis(
     h_kv = 0
     path = out / "perturbation.json"
     if n > 0:
-        from criticalkv.models.presets import PRESETS as MODEL_PRESETS
-        from criticalkv.models.presets import load_model, load_notes
-
-        with console.status(f"loading {model}"):
-            lm, tokenizer = load_model(model, dtype=dtype, device=device)
-        for note in load_notes(lm, tokenizer):
-            console.print(note, style="dim", markup=False)
-        check_length(lm.config, length, "--length")
         config = lm.config.get_text_config()
         h_kv = config.num_key_value_heads
         meta.update(

@@ -422,6 +422,7 @@ def load_model(
     device: str | torch.device = "cpu",
     attn_implementation: str = "auto",
     distributed_config: object | None = None,
+    check_config: Callable[[PretrainedConfig], None] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a supported causal LM and its tokenizer, in eval mode.
 
@@ -444,6 +445,9 @@ def load_model(
         Passed to ``from_pretrained`` to shard the model over the processes torchrun launched (the model then
         stays on the devices transformers places it on; ``device`` is ignored). See
         ``criticalkv.distributed.launch.load_model``.
+    check_config : callable, optional
+        Called with the checkpoint's config after criticalkv's own checks and before any weight is read: what it
+        raises propagates, so a caller's refusal (a length, a family it does not handle) costs no load.
 
     Returns
     -------
@@ -484,6 +488,8 @@ def load_model(
             "tokenizer."
         ) from err
     check_supported(config)
+    if check_config is not None:
+        check_config(config)
     if attn_implementation == "auto":
         attn_implementation = base_attention_for(config)
     if distributed_config is not None:
