@@ -185,6 +185,13 @@ def test_context_longer_than_the_model_refused_before_prefill(short_model, tmp_p
     )
 
 
+def test_eval_mode_and_its_older_spelling():
+    from criticalkv.eval.commands import regime_of
+
+    assert regime_of(None, False) == regime_of("agnostic", False) == "agnostic"
+    assert regime_of("aware", False) == regime_of(None, True) == regime_of("aware", True) == "aware"
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
 def test_perturbation_refuses_soft_caps_and_sinks_before_loading_or_measuring(tmp_path, monkeypatch, family):
     """The capture refused these families only after the model's load (and any --exhaustive-check)."""
@@ -213,6 +220,8 @@ def test_perturbation_refuses_soft_caps_and_sinks_before_loading_or_measuring(tm
         (["perturbation", "--n", "0", "--exhaustive-check", "--exhaustive-entries", "20"], "<= 16, got 200, 4, 20"),
         (["perturbation", "--n", "0", "--exhaustive-check", "--exhaustive-trials", "0"], "got 0, 4, 12"),
         (["eval", "needle", "--lengths", "512,abc"], "--lengths takes comma-separated ints, got '512,abc'"),
+        (["eval", "ruler", "--mode", "both"], "--mode must be 'agnostic' or 'aware', got 'both'"),
+        (["eval", "needle", "--mode", "agnostic", "--question-aware"], "it contradicts --mode agnostic"),
         (["eval", "needle", "--depths", "0,x"], "--depths takes comma-separated floats"),
         (["calibrate-heads", "--lengths", "1024,2k"], "--lengths takes comma-separated ints, got '1024,2k'"),
         (["calibrate-heads", "--samples", "0"], "--samples must be >= 1, got 0"),

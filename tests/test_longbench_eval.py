@@ -261,8 +261,9 @@ def test_full_budget_answers_as_the_uncompressed_model(data: Path, model_folder:
     to hotpotqa's 32 new tokens."""
     out = tmp_path / "out"
     args = [str(data), "--model", str(model_folder), "--device", "cpu", "--datasets", "hotpotqa", "--samples", "1"]
-    code, output = _invoke([*args, "--methods", "snapkv", "--budgets", "1.0", "--question-aware", "--out", str(out)])
+    code, output = _invoke([*args, "--methods", "snapkv", "--budgets", "1.0", "--mode", "aware", "--out", str(out)])
     assert code == 0, output
+    assert {r.regime for r in load_rows(out / "results.jsonl")} == {"aware"}
     tokenizer = AutoTokenizer.from_pretrained(model_folder)
     model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
     prompt = tokenizer(build_prompt(_sample("hotpotqa")), return_tensors="pt")["input_ids"]  # (1, t)

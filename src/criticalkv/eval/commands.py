@@ -38,6 +38,23 @@ ModelOption = Annotated[str, typer.Option(help="Preset name, local folder or hub
 MethodsOption = Annotated[str, typer.Option(help="Comma-separated presets (the full cache always runs).")]
 BudgetsOption = Annotated[str, typer.Option(help="Comma-separated budgets.")]
 DtypeOption = Annotated[str, typer.Option(help=DTYPE_HELP)]
+ModeOption = Annotated[
+    str | None,
+    typer.Option(
+        help="agnostic (the default here): the context is compressed before the question is seen; aware: the "
+        "question is compressed with it, as run's --mode."
+    ),
+]
+QuestionAwareOption = Annotated[bool, typer.Option(help="The same as --mode aware.")]
+
+
+def regime_of(mode: str | None, question_aware: bool) -> str:
+    """The regime ``--mode`` and its older spelling ``--question-aware`` ask for (agnostic when neither is given)."""
+    if mode not in (None, "agnostic", "aware"):
+        raise CriticalKVError(f"--mode must be 'agnostic' or 'aware', got {mode!r}")
+    if question_aware and mode == "agnostic":
+        raise CriticalKVError("--question-aware is --mode aware: it contradicts --mode agnostic")
+    return "aware" if question_aware or mode == "aware" else "agnostic"
 
 
 def _split(text: str) -> list[str]:
@@ -132,7 +149,8 @@ def ruler(
     tasks: Annotated[str, typer.Option(help="Comma-separated RULER tasks (default: all 13).")] = "",
     length: Annotated[int, typer.Option(help="Prompt length in the model's tokens.")] = 4096,
     samples: Annotated[int, typer.Option(help="Samples per task.")] = 20,
-    question_aware: Annotated[bool, typer.Option(help="Compress the question with the context.")] = False,
+    mode: ModeOption = None,
+    question_aware: QuestionAwareOption = False,
     max_new_tokens: Annotated[int, typer.Option(help="Cap on generated tokens (0: RULER's per task).")] = 0,
     reserve_answer: Annotated[
         bool,
@@ -157,7 +175,7 @@ def ruler(
             raise CriticalKVError(f"unknown RULER task(s) {unknown}; tasks: {', '.join(ruler_data.TASKS)}")
         parsed = _budgets(budgets)
         names = _methods(methods)
-        regime = "aware" if question_aware else "agnostic"
+        regime = regime_of(mode, question_aware)
         folder = out or Path("results") / f"ruler-{Path(model).name}-{length}-{regime}"
         check_out_folder(folder)
         loaded, tokenizer = _load(model, dtype, device)
@@ -230,7 +248,8 @@ def needle(
     ] = "0.2",
     lengths: Annotated[str, typer.Option(help="Comma-separated context lengths.")] = "1024,2048,4096",
     depths: Annotated[str, typer.Option(help="Comma-separated depths in [0, 1].")] = "0,0.25,0.5,0.75,1",
-    question_aware: Annotated[bool, typer.Option(help="Compress the question with the context.")] = False,
+    mode: ModeOption = None,
+    question_aware: QuestionAwareOption = False,
     seed: Annotated[int, typer.Option(help="Seed of the needles.")] = 0,
     out: Annotated[Path | None, typer.Option(help="Results folder (resumes if it has results).")] = None,
     batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = False,
@@ -244,7 +263,7 @@ def needle(
     try:
         parsed = _budgets(budgets)
         names = _methods(methods)
-        regime = "aware" if question_aware else "agnostic"
+        regime = regime_of(mode, question_aware)
         folder = out or Path("results") / f"needle-{Path(model).name}-{regime}"
         grid = {"lengths": parse_numbers(lengths, int, "--lengths"), "depths": parse_numbers(depths, float, "--depths")}
         check_grid(grid["lengths"], grid["depths"])  # before the model loads
@@ -310,7 +329,8 @@ def longbench(
     max_length: Annotated[
         int, typer.Option(help="Prompts longer than this many tokens lose their middle (THUDM's truncation).")
     ] = 3500,
-    question_aware: Annotated[bool, typer.Option(help="Compress the question with the context.")] = False,
+    mode: ModeOption = None,
+    question_aware: QuestionAwareOption = False,
     max_new_tokens: Annotated[int, typer.Option(help="Cap on generated tokens (0: THUDM's per dataset).")] = 0,
     out: Annotated[Path | None, typer.Option(help="Results folder (resumes if it has results).")] = None,
     batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = False,
@@ -329,7 +349,7 @@ def longbench(
         groups = longbench_run.read_datasets(data, _split(datasets))
         parsed = _budgets(budgets)
         names = _methods(methods)
-        regime = "aware" if question_aware else "agnostic"
+        regime = regime_of(mode, question_aware)
         folder = out or Path("results") / f"longbench-{Path(model).name}-{max_length}-{regime}"
         check_out_folder(folder)
         loaded, tokenizer = _load(model, dtype, device)
