@@ -211,6 +211,34 @@ def test_perturbation_refuses_soft_caps_and_sinks_before_loading_or_measuring(tm
 
 
 @pytest.mark.parametrize(
+    ("family", "command", "message"),
+    [
+        ("gemma2", ["run", "--method", "snapkv,reconstruct"], "reconstruction scorer does not apply soft-capped"),
+        ("gemma2", ["run", "--method", "snapkv,reconstruct", "--sliding"], "ReconstructionScorer does not support"),
+        ("gpt_oss", ["run", "--method", "measured-snapkv"], "measured selectors do not apply attention sinks"),
+        ("gpt_oss", ["eval", "ruler", "--methods", "ada-reconstruct"], "reconstruction scorer does not apply"),
+        ("mistral", ["eval", "needle", "--methods", "snapkv"], "every attention layer of this model is a sliding"),
+    ],
+)
+def test_methods_that_cannot_compress_the_model_are_refused_before_its_load(tmp_path, family, command, message):
+    """These were refused when the method was installed, after the model's load."""
+    from transformers import Gemma2Config, GptOssConfig, MistralConfig
+
+    sliding = "--sliding" in command  # Gemma 2 and gpt-oss alternate sliding-window layers; without: full only
+    command = [c for c in command if c != "--sliding"]
+    full = {"layer_types": ["full_attention"] * 2} if not sliding else {}
+    config_class, extra = {
+        "gemma2": (Gemma2Config, full),
+        "gpt_oss": (GptOssConfig, full),
+        "mistral": (MistralConfig, {"sliding_window": 64}),
+    }[family]
+    shape = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    config_class(**shape, **extra).save_pretrained(tmp_path / "model")  # no weights: a load stops at "holds no"
+    where = ["--out", str(tmp_path / "out")] if command[0] == "eval" else []
+    _refused([*command, "--model", str(tmp_path / "model"), *where], message)
+
+
+@pytest.mark.parametrize(
     ("args", "message"),
     [
         (["run", "--context-file", "/nonexistent.txt", "--question", "hi"], "--context-file /nonexistent.txt is not"),

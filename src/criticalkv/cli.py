@@ -7,6 +7,7 @@ import json
 import os
 import platform
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
@@ -27,6 +28,7 @@ from criticalkv.models.families import SUPPORTED_FAMILIES, check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, list_presets, load_notes
 from criticalkv.progress import layer_progress, output_console, print_error
 from criticalkv.runtime.api import make_compressor
+from criticalkv.runtime.compressor import check_methods_config
 from criticalkv.runtime.session import ContextSession
 
 app = typer.Typer(help="KV-cache eviction for long-context inference: CriticalKV over SnapKV and friends.")
@@ -205,8 +207,7 @@ def _run(
     methods_ = ["full"] + [m for m in named if m != "full"]
     options = _parse_options(option)
     parsed_budget = Budget.parse(budget)
-    for name in methods_[1:]:
-        build_method(name, **options)  # fail on a bad name or option before loading anything
+    built = [build_method(name, **options) for name in methods_[1:]]  # a bad name or option fails before the load
     if json_path is not None:
         _writable(json_path)
     if context_file is not None and not context_file.is_file():
@@ -222,7 +223,9 @@ def _run(
     if context_file is None:
         at_least(context_tokens, 1, "--context-tokens")
     with console.status(f"loading {model_name}"):
-        model, tokenizer = launch.load_model(model_name, dtype=dtype, device=device)
+        model, tokenizer = launch.load_model(
+            model_name, dtype=dtype, device=device, check_config=partial(check_methods_config, methods=built)
+        )
     layout = ParallelLayout.of(model)  # one process, or where this one sits in a torchrun split
     for note in load_notes(model, tokenizer) if layout.is_main else []:
         console.print(note, style="dim", markup=False)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 #: model types whose attention modules pass ``softcap=module.attn_logit_softcapping`` to their attention function
 SOFT_CAPPED = frozenset({"gemma2"})
@@ -35,6 +36,15 @@ def logit_softcap(module: nn.Module) -> float | None:
 def attention_sinks(module: nn.Module) -> torch.Tensor | None:
     """The module's learned sink logit of each query head (gpt-oss), (h_q,); None for none."""
     return module.sinks if _model_type(module) in WITH_SINKS else None
+
+
+def logit_changes(config: PretrainedConfig) -> list[str]:
+    """What a checkpoint's attention does to its logits beyond the scaled dot product, read from its config alone
+    (before any weight is loaded): ``"soft-capped logits"`` (Gemma 2, when its config sets a cap), ``"attention
+    sinks"`` (gpt-oss); empty for a plain softmax."""
+    text = config.get_text_config(decoder=True)
+    capped = text.model_type in SOFT_CAPPED and getattr(text, "attn_logit_softcapping", None) is not None
+    return ["soft-capped logits"] * capped + ["attention sinks"] * (text.model_type in WITH_SINKS)
 
 
 def soft_cap_(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -32,8 +32,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from criticalkv.cache.attention import MASKS, base_attention
 from criticalkv.errors import CacheStateError, CriticalKVError, UnsupportedModelError
-from criticalkv.logits import SOFT_CAPPED, WITH_SINKS
-from criticalkv.models.families import attention_modules, text_config
+from criticalkv.logits import logit_changes
+from criticalkv.models.families import attention_modules
 from criticalkv.runtime.compressor import prefill_view
 from criticalkv.scorers import LayerView
 
@@ -157,9 +157,7 @@ def _forward(model, ids, mask, cache, hidden: bool):
 def check_capturable(config: PretrainedConfig) -> None:
     """Refuse a family whose attention logits the perturbation measure does not reproduce: Gemma 2's soft cap
     (when its config sets one), gpt-oss's sinks. Reads the config alone: a command checks it before loading."""
-    text = text_config(config)
-    capped = text.model_type in SOFT_CAPPED and getattr(text, "attn_logit_softcapping", None) is not None
-    if capped or text.model_type in WITH_SINKS:
+    if logit_changes(config):
         raise UnsupportedModelError(
             "the perturbation analysis does not apply soft-capped logits (Gemma 2) or attention sinks (gpt-oss) yet"
         )

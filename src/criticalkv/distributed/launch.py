@@ -10,11 +10,12 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from criticalkv.errors import CriticalKVError
 
@@ -105,6 +106,7 @@ def load_model(
     pp_size: int | None = None,
     attn_implementation: str = "auto",
     device: str = "auto",
+    check_config: Callable[[PretrainedConfig], None] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``criticalkv.models.load_model``, split over the processes ``torchrun`` launched.
 
@@ -112,7 +114,7 @@ def load_model(
     one). Under ``torchrun`` the model is loaded with transformers' ``DistributedConfig(tp_size, pp_size)``
     (defaults: ``parallel_sizes``), each rank's part where transformers places it (its ``LOCAL_RANK`` GPU, or the
     CPU), so ``device`` must be ``"auto"``; a preset is converted once, by rank 0, while the others wait. The heads
-    are checked before any weight is loaded (``UnevenHeadsError``).
+    are checked before any weight is loaded (``UnevenHeadsError``), as is ``check_config`` (``load_model``'s).
     """
     from transformers.distributed import DistributedConfig
 
@@ -120,7 +122,9 @@ def load_model(
 
     tp, pp = parallel_sizes(tp_size, pp_size)
     if tp * pp == 1:
-        return presets.load_model(name_or_path, dtype=dtype, device=device, attn_implementation=attn_implementation)
+        return presets.load_model(
+            name_or_path, dtype=dtype, device=device, attn_implementation=attn_implementation, check_config=check_config
+        )
     if device != "auto":
         raise CriticalKVError(f"--device {device}: under torchrun each rank runs on its own device; leave it 'auto'")
     init_process_group()
@@ -129,7 +133,11 @@ def load_model(
     barrier()
     config = DistributedConfig(tp_size=tp, pp_size=pp)
     return presets.load_model(
-        name_or_path, dtype=dtype, attn_implementation=attn_implementation, distributed_config=config
+        name_or_path,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        distributed_config=config,
+        check_config=check_config,
     )
 
 

@@ -22,6 +22,7 @@ from criticalkv.methods import build_method
 from criticalkv.models.families import check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, as_dtype, load_notes
 from criticalkv.progress import output_console, print_error
+from criticalkv.runtime.compressor import check_methods_config
 
 if TYPE_CHECKING:  # needle_grid pulls matplotlib: imported by the command only
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -98,10 +99,12 @@ def _budgets(text: str) -> list[Budget]:
     return parsed
 
 
-def _load(model: str, dtype: str, device: str) -> tuple[Any, Any]:
+def _load(model: str, dtype: str, device: str, methods: list[str]) -> tuple[Any, Any]:
     """``launch.load_model``, with its hints (``load_notes``: a bfloat16 model on a CPU without bfloat16
-    instructions, a tokenizer without a chat template)."""
-    loaded, tokenizer = launch.load_model(model, dtype=dtype, device=device)
+    instructions, a tokenizer without a chat template); ``methods`` checked against the config before the load."""
+    built = [build_method(name) for name in methods if name != "full"]
+    check = partial(check_methods_config, methods=built)
+    loaded, tokenizer = launch.load_model(model, dtype=dtype, device=device, check_config=check)
     for note in load_notes(loaded, tokenizer) if launch.is_main_process() else []:
         console.print(note, style="dim", markup=False)
     return loaded, tokenizer
@@ -178,7 +181,7 @@ def ruler(
         regime = regime_of(mode, question_aware)
         folder = out or Path("results") / f"ruler-{Path(model).name}-{length}-{regime}"
         check_out_folder(folder)
-        loaded, tokenizer = _load(model, dtype, device)
+        loaded, tokenizer = _load(model, dtype, device, names)
         max_length = check_length(loaded.config, length)
 
         with console.status(f"generating {samples} samples of {len(chosen)} task(s)"):  # a task too short fails now
@@ -268,7 +271,7 @@ def needle(
         grid = {"lengths": parse_numbers(lengths, int, "--lengths"), "depths": parse_numbers(depths, float, "--depths")}
         check_grid(grid["lengths"], grid["depths"])  # before the model loads
         check_out_folder(folder)
-        loaded, tokenizer = _load(model, dtype, device)
+        loaded, tokenizer = _load(model, dtype, device, names)
         check_length(loaded.config, max(grid["lengths"], default=0), "--lengths")
         cells = needle_grid(tokenizer, grid["lengths"], grid["depths"], seed)
         _check_prompts(loaded.config, tokenizer, cells)
@@ -352,7 +355,7 @@ def longbench(
         regime = regime_of(mode, question_aware)
         folder = out or Path("results") / f"longbench-{Path(model).name}-{max_length}-{regime}"
         check_out_folder(folder)
-        loaded, tokenizer = _load(model, dtype, device)
+        loaded, tokenizer = _load(model, dtype, device, names)
         with console.status(f"truncating and encoding the prompts of {len(groups)} dataset(s)"):
             items = longbench_run.longbench_items(tokenizer, groups, samples, max_length)
         for item in items:  # every prompt fits the model, checked before the first answer

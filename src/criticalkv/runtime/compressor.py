@@ -17,12 +17,12 @@ import dataclasses
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
 
 from criticalkv.budget import Budget
@@ -31,7 +31,7 @@ from criticalkv.cache.compressed_cache import release_views
 from criticalkv.cache.fused_attention import ATTENTION_ENV_VAR, requested_path
 from criticalkv.distributed.layout import check_model
 from criticalkv.errors import CacheStateError, PaddingError, UnsupportedModelError
-from criticalkv.logits import attention_sinks, logit_softcap
+from criticalkv.logits import logit_changes
 from criticalkv.models.families import attention_modules, check_supported, layer_types, text_config
 from criticalkv.runtime.method import Method
 from criticalkv.scorers import LayerView
@@ -65,20 +65,24 @@ def refuse_nesting(model: PreTrainedModel) -> None:
         raise CacheStateError("this model is already inside criticalkv.compress(...); blocks do not nest")
 
 
-def check_compressible(model: PreTrainedModel, method: Method | None) -> None:
-    """Refuse, before any forward, a model ``method`` cannot compress: an unsupported family, a model whose every
-    attention layer is a sliding-window one (nothing to compress), sliding-window layers with a scorer that
-    cannot run beside them (``supports_sliding_windows = False``: reconstruction), or what the scorer's own
-    ``check_model(model)`` of the scorer, allocator or selector refuses (reconstruction: its tokenizer; measured
-    selectors: attention sinks). None (the full cache, in a ``SharedPrefill``):
-    the family alone."""
-    check_supported(model.config)
-    if method is None:
-        return
-    kinds, kwargs = layer_types(model.config)
+def check_methods_config(config: PretrainedConfig, methods: Sequence[Method | None]) -> None:
+    """Refuse, from the checkpoint's config alone (the commands check it before loading weights), a model one of
+    ``methods`` cannot compress: an unsupported family, a model whose every attention layer is a sliding-window one
+    (nothing to compress), sliding-window layers with a scorer that cannot run beside them
+    (``supports_sliding_windows = False``: reconstruction), or what the optional ``check_config(config)`` of a
+    scorer, allocator or selector refuses (reconstruction: soft-capped logits and sinks; measured selectors:
+    sinks). None (the full cache, in a ``SharedPrefill``) needs the family alone."""
+    check_supported(config)
+    for method in methods:
+        if method is not None:
+            _check_method_config(config, method)
+
+
+def _check_method_config(config: PretrainedConfig, method: Method) -> None:
+    kinds, kwargs = layer_types(config)
     if "full_attention" not in kinds:
         windows = sorted({k["sliding_window"] for k in kwargs if k.get("sliding_window") is not None}) or ["?"]
-        positions = getattr(text_config(model.config), "max_position_embeddings", None)
+        positions = getattr(text_config(config), "max_position_embeddings", None)
         raise UnsupportedModelError(
             f"every attention layer of this model is a sliding-window layer (a window of {windows[0]} tokens over "
             f"{positions} positions, as in Phi-3-mini-4k or Mistral-7B-v0.1): criticalkv compresses full-attention "
@@ -92,14 +96,25 @@ def check_compressible(model: PreTrainedModel, method: Method | None) -> None:
             f"model's {len(kinds)} layers): their caches cannot be rewound after its passes; use a scorer that reads "
             "the prefill alone (snapkv, tova, knorm, ...)"
         )
-    if requested_path() == "flash" and any(
-        logit_softcap(m) is not None or attention_sinks(m) is not None for m in attention_modules(model)
-    ):
+    for piece in (scorer, method.allocator, method.selector):
+        check_config = getattr(piece, "check_config", None)
+        if check_config is not None:
+            check_config(config)
+
+
+def check_compressible(model: PreTrainedModel, method: Method | None) -> None:
+    """Refuse, before any forward, a model ``method`` cannot compress: what ``check_methods_config`` refuses of its
+    config, a forced flash-attn path on soft-capped or sink attention, and what the optional ``check_model(model)``
+    of the scorer, allocator or selector refuses (reconstruction: its tokenizer)."""
+    check_methods_config(model.config, [method])
+    if method is None:
+        return
+    if requested_path() == "flash" and logit_changes(model.config):
         raise UnsupportedModelError(
             f"{ATTENTION_ENV_VAR}=flash: this model soft-caps its attention logits or adds attention sinks, which "
             "criticalkv's flash-attn call does not pass on; leave the path to criticalkv"
         )
-    for piece in (scorer, method.allocator, method.selector):
+    for piece in (method.scorer, method.allocator, method.selector):
         check_model = getattr(piece, "check_model", None)
         if check_model is not None:
             check_model(model)

@@ -21,13 +21,12 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.cache_utils import DummyLayer
 
 from criticalkv.cache.compressed_layer import CompressedLayer, as_bool_mask
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
-from criticalkv.logits import attention_sinks, logit_softcap
-from criticalkv.models.families import attention_modules
+from criticalkv.logits import logit_changes
 from criticalkv.models.hub import hub_reachable
 from criticalkv.scorers.base import LayerView
 
@@ -341,14 +340,17 @@ class ReconstructionScorer:
             item.view.memo[("protected", repr(self))] = protected
         return scores
 
-    def check_model(self, model: nn.Module) -> None:
-        """Refuse, before any forward, a model whose attention the probe does not recompute (soft-capped logits,
-        sinks) and a tokenizer that cannot be loaded or is another model's (the repeat prompt is written with it
-        only after the whole prefill)."""
-        if any(logit_softcap(m) is not None or attention_sinks(m) is not None for m in attention_modules(model)):
+    def check_config(self, config: PretrainedConfig) -> None:
+        """Refuse, from the config alone, a model whose attention the probe does not recompute (soft-capped logits,
+        sinks)."""
+        if logit_changes(config):
             raise UnsupportedModelError(
                 "the reconstruction scorer does not apply soft-capped logits (Gemma 2) or attention sinks (gpt-oss) yet"
             )
+
+    def check_model(self, model: nn.Module) -> None:
+        """Refuse, before any forward, a tokenizer that cannot be loaded or is another model's (the repeat prompt
+        is written with it only after the whole prefill)."""
         _check_vocabulary(RepeatPrompt.from_tokenizer(self._resolve_tokenizer(model)), model)
 
     # --- the passes ------------------------------------------------------------------------------------------

@@ -26,11 +26,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from transformers import PretrainedConfig
 
 from criticalkv.errors import UnsupportedModelError
-from criticalkv.logits import attention_sinks
-from criticalkv.models.families import attention_modules
+from criticalkv.logits import logit_changes
 from criticalkv.scorers.base import LayerView
 from criticalkv.scorers.snapkv import shared_window_attention
 from criticalkv.selectors.base import keep_protected, take_top
@@ -459,10 +458,10 @@ class PerturbationSelector:
         """The selector whose set the swaps start from."""
         return TopKSelector() if self.start == "topk" else self._critical()
 
-    def check_model(self, model: nn.Module) -> None:
-        """Refuse, before any forward, a model with attention sinks (gpt-oss): the perturbation of a kept set
+    def check_config(self, config: PretrainedConfig) -> None:
+        """Refuse, from the config alone, a model with attention sinks (gpt-oss): the perturbation of a kept set
         renormalises the window's attention over the kept entries, without the sinks' share."""
-        if any(attention_sinks(module) is not None for module in attention_modules(model)):
+        if "attention sinks" in logit_changes(config):
             raise UnsupportedModelError(
                 "the measured selectors do not apply attention sinks (gpt-oss) yet; use snapkv, critical-snapkv, "
                 "adakv, critical-adakv or another preset without 'measured'"
