@@ -218,14 +218,27 @@ def test_perturbation_refuses_soft_caps_and_sinks_before_loading_or_measuring(tm
         ("gpt_oss", ["run", "--method", "measured-snapkv"], "measured selectors do not apply attention sinks"),
         ("gpt_oss", ["eval", "ruler", "--methods", "ada-reconstruct"], "reconstruction scorer does not apply"),
         ("mistral", ["eval", "needle", "--methods", "snapkv"], "every attention layer of this model is a sliding"),
+        ("gpt_oss", ["eval", "longbench", "--methods", "measured-adakv"], "measured selectors do not apply"),
+        ("gemma2", ["run", "--method", "snapkv", "--flash"], "CRITICALKV_ATTENTION=flash: this model soft-caps"),
+        ("gemma2", ["run", "--method", "snapkv"], "holds no weights"),  # accepted: the load goes on
+        ("gpt_oss", ["eval", "ruler", "--methods", "critical-adakv"], "holds no weights"),
     ],
 )
-def test_methods_that_cannot_compress_the_model_are_refused_before_its_load(tmp_path, family, command, message):
+def test_methods_that_cannot_compress_the_model_are_refused_before_its_load(
+    tmp_path, monkeypatch, family, command, message
+):
     """These were refused when the method was installed, after the model's load."""
     from transformers import Gemma2Config, GptOssConfig, MistralConfig
 
     sliding = "--sliding" in command  # Gemma 2 and gpt-oss alternate sliding-window layers; without: full only
-    command = [c for c in command if c != "--sliding"]
+    if "--flash" in command:
+        monkeypatch.setenv("CRITICALKV_ATTENTION", "flash")
+    command = [c for c in command if c not in ("--sliding", "--flash")]
+    if command[:2] == ["eval", "longbench"]:  # a data folder of one hotpotqa record, read before the model
+        record = {"input": "Who?", "context": "A fox.", "answers": ["fox"], "length": 2, "dataset": "hotpotqa"}
+        record |= {"language": "en", "all_classes": None, "_id": "hotpotqa-0"}
+        (tmp_path / "hotpotqa.jsonl").write_text(json.dumps(record) + "\n")
+        command.insert(2, str(tmp_path))
     full = {"layer_types": ["full_attention"] * 2} if not sliding else {}
     config_class, extra = {
         "gemma2": (Gemma2Config, full),

@@ -38,13 +38,16 @@ def attention_sinks(module: nn.Module) -> torch.Tensor | None:
     return module.sinks if _model_type(module) in WITH_SINKS else None
 
 
+SOFT_CAP, SINKS = "soft-capped logits", "attention sinks"
+
+
 def logit_changes(config: PretrainedConfig) -> list[str]:
     """What a checkpoint's attention does to its logits beyond the scaled dot product, read from its config alone
-    (before any weight is loaded): ``"soft-capped logits"`` (Gemma 2, when its config sets a cap), ``"attention
-    sinks"`` (gpt-oss); empty for a plain softmax."""
+    (before any weight is loaded): ``SOFT_CAP`` (Gemma 2, when its config sets a cap), ``SINKS`` (gpt-oss); empty
+    for a plain softmax."""
     text = config.get_text_config(decoder=True)
     capped = text.model_type in SOFT_CAPPED and getattr(text, "attn_logit_softcapping", None) is not None
-    return ["soft-capped logits"] * capped + ["attention sinks"] * (text.model_type in WITH_SINKS)
+    return [SOFT_CAP] * capped + [SINKS] * (text.model_type in WITH_SINKS)
 
 
 def soft_cap_(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

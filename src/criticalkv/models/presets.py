@@ -446,8 +446,9 @@ def load_model(
         stays on the devices transformers places it on; ``device`` is ignored). See
         ``criticalkv.distributed.launch.load_model``.
     check_config : callable, optional
-        Called with the checkpoint's config after criticalkv's own checks and before any weight is read: what it
-        raises propagates, so a caller's refusal (a length, a family it does not handle) costs no load.
+        Called with the checkpoint's config right after the family check, before the model's weights are read (a
+        preset not yet converted is converted first): what it raises propagates, so a caller's refusal (a length, a
+        family it does not handle) costs no load.
 
     Returns
     -------

@@ -71,11 +71,17 @@ def check_methods_config(config: PretrainedConfig, methods: Sequence[Method | No
     (nothing to compress), sliding-window layers with a scorer that cannot run beside them
     (``supports_sliding_windows = False``: reconstruction), or what the optional ``check_config(config)`` of a
     scorer, allocator or selector refuses (reconstruction: soft-capped logits and sinks; measured selectors:
-    sinks). None (the full cache, in a ``SharedPrefill``) needs the family alone."""
+    sinks), and a forced flash-attn path (``$CRITICALKV_ATTENTION=flash``) on soft-capped or sink attention. None
+    (the full cache, in a ``SharedPrefill``) needs the family alone."""
     check_supported(config)
     for method in methods:
         if method is not None:
             _check_method_config(config, method)
+    if any(m is not None for m in methods) and requested_path() == "flash" and logit_changes(config):
+        raise UnsupportedModelError(
+            f"{ATTENTION_ENV_VAR}=flash: this model soft-caps its attention logits or adds attention sinks, which "
+            "criticalkv's flash-attn call does not pass on; leave the path to criticalkv"
+        )
 
 
 def _check_method_config(config: PretrainedConfig, method: Method) -> None:
@@ -104,16 +110,11 @@ def _check_method_config(config: PretrainedConfig, method: Method) -> None:
 
 def check_compressible(model: PreTrainedModel, method: Method | None) -> None:
     """Refuse, before any forward, a model ``method`` cannot compress: what ``check_methods_config`` refuses of its
-    config, a forced flash-attn path on soft-capped or sink attention, and what the optional ``check_model(model)``
-    of the scorer, allocator or selector refuses (reconstruction: its tokenizer)."""
+    config, and what the optional ``check_model(model)`` of the scorer, allocator or selector refuses
+    (reconstruction: its tokenizer)."""
     check_methods_config(model.config, [method])
     if method is None:
         return
-    if requested_path() == "flash" and logit_changes(model.config):
-        raise UnsupportedModelError(
-            f"{ATTENTION_ENV_VAR}=flash: this model soft-caps its attention logits or adds attention sinks, which "
-            "criticalkv's flash-attn call does not pass on; leave the path to criticalkv"
-        )
     for piece in (method.scorer, method.allocator, method.selector):
         check_model = getattr(piece, "check_model", None)
         if check_model is not None:

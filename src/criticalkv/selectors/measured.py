@@ -29,7 +29,7 @@ import torch
 from transformers import PretrainedConfig
 
 from criticalkv.errors import UnsupportedModelError
-from criticalkv.logits import logit_changes
+from criticalkv.logits import SINKS, logit_changes
 from criticalkv.scorers.base import LayerView
 from criticalkv.scorers.snapkv import shared_window_attention
 from criticalkv.selectors.base import keep_protected, take_top
@@ -461,7 +461,7 @@ class PerturbationSelector:
     def check_config(self, config: PretrainedConfig) -> None:
         """Refuse, from the config alone, a model with attention sinks (gpt-oss): the perturbation of a kept set
         renormalises the window's attention over the kept entries, without the sinks' share."""
-        if "attention sinks" in logit_changes(config):
+        if SINKS in logit_changes(config):
             raise UnsupportedModelError(
                 "the measured selectors do not apply attention sinks (gpt-oss) yet; use snapkv, critical-snapkv, "
                 "adakv, critical-adakv or another preset without 'measured'"
