@@ -479,3 +479,20 @@ def test_negative_scores_on_one_rank_raise_on_every_rank(tmp_path):
     for rank in range(2):
         raised = json.loads((tmp_path / f"{rank}.json").read_text())
         assert raised == {"CriticalSelector": "NegativeScoreError", "DefensiveSelector": "NegativeScoreError"}, rank
+
+
+def test_the_torchrun_branch_of_load_model_passes_check_config_on(monkeypatch):
+    """Under torchrun the commands' pre-load refusals go through the distributed load too."""
+    seen = {}
+
+    def load(name_or_path, **kwargs):
+        seen.update(kwargs)
+        return "model", "tokenizer"
+
+    monkeypatch.setattr(launch, "parallel_sizes", lambda tp, pp: (2, 1))
+    monkeypatch.setattr(launch, "init_process_group", lambda: None)
+    monkeypatch.setattr(launch, "barrier", lambda: None)
+    monkeypatch.setattr(presets, "load_model", load)
+    check = object()
+    assert launch.load_model("some/folder", check_config=check) == ("model", "tokenizer")
+    assert seen["check_config"] is check and seen["distributed_config"].tp_size == 2
