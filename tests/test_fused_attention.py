@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import criticalkv
-from criticalkv.cache import CompressedLayer
+from criticalkv.cache import CompressedLayer, fused_attention
 from criticalkv.cache import attention as attention_module
 from criticalkv.cache.attention import compressed_attention, segment_attention
 from criticalkv.cache.fused_attention import (
@@ -189,9 +189,13 @@ def test_uniform_path_equals_masked_dense_attention(groups, q, padded_tail, kept
 @pytest.mark.parametrize("extras", ["softcap", "sinks", "both"])
 @pytest.mark.parametrize("uniform", [False, True])
 @pytest.mark.parametrize("padded_tail", [False, True])
-def test_soft_capped_and_sink_attention_on_every_cpu_path(extras, uniform, padded_tail):
+@pytest.mark.parametrize("row_blocks", [False, True])
+def test_soft_capped_and_sink_attention_on_every_cpu_path(extras, uniform, padded_tail, row_blocks, monkeypatch):
     """Gemma 2's soft cap and gpt-oss's sinks on the paths that write the attention out (uniform, padded) and the
-    segment loop, against the families' eager attention written in float64."""
+    segment loop, against the families' eager attention written in float64; with ``row_blocks`` the uniform and
+    padded paths take their 12 folded query rows a few at a time (360 logits: b x h_kv = 6 rows of <= 13 keys)."""
+    if row_blocks:
+        monkeypatch.setattr(fused_attention, "LOGIT_BLOCK_ELEMENTS", 360)
     gen = torch.Generator().manual_seed(7 + 2 * uniform + padded_tail)
     b, h_kv, groups, t, q = 3, 2, 3, 40, 4
     lengths = torch.full((b, h_kv), 9) if uniform else torch.randint(1, 11, (b, h_kv), generator=gen)
@@ -332,7 +336,7 @@ def _layer_with_lengths(lengths: torch.Tensor, tail: int, d: int = 4) -> Compres
 
 def test_segments_path_with_empty_segments_row_blocks_and_float64(monkeypatch):
     """Zero-length segments, many blocks of query rows, a padded tail, float64 kept as float64: masked dense."""
-    monkeypatch.setattr(attention_module, "SEGMENT_BLOCK_ELEMENTS", 5)  # a block of one query row
+    monkeypatch.setattr(fused_attention, "LOGIT_BLOCK_ELEMENTS", 5)  # a block of one query row
     gen = torch.Generator().manual_seed(21)
     lengths = torch.tensor([[0, 5, 3], [2, 0, 7]])
     case = make_case(2, 3, 2, 12, 4, 3, previous=2, gen=gen, lengths=lengths, padded_tail=True, dtype=torch.float64)

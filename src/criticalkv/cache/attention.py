@@ -18,6 +18,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from criticalkv.cache import fused_attention
 from criticalkv.cache.compressed_layer import CompressedLayer, as_bool_mask
 from criticalkv.cache.fused_attention import (
     choose_path,
@@ -44,8 +45,6 @@ MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}
 
 #: Attention inputs some models pass beyond the mask and scaling (softcapping, attention sinks, a position bias).
 _EXTRA_ATTENTION_INPUTS = ("softcap", "s_aux", "sinks", "position_bias")
-#: Logits of one block of query rows in ``segment_attention`` (float32 elements: 16 MiB).
-SEGMENT_BLOCK_ELEMENTS = 2**22
 
 
 def implementation_name(base: str) -> str:
@@ -70,9 +69,9 @@ def segment_attention(
     transformers' attention functions return. The G query heads of a KV head are folded into the query axis, so
     keys are never repeated. Each segment's logits come from its slice of the flat context and its tail; softmax
     and products run in float32 (as SDPA accumulates; float64 for float64 inputs), blocks of query rows bounding
-    the logits to ``SEGMENT_BLOCK_ELEMENTS``. A query that reads nothing gets zeros, as from SDPA. ``softcap``
-    (Gemma 2) caps the logits before the masks; ``sinks`` (gpt-oss, (h_q,)) take their share of each softmax
-    (``criticalkv.logits``).
+    the logits to ``fused_attention.LOGIT_BLOCK_ELEMENTS``. A query that reads nothing gets zeros, as from SDPA.
+    ``softcap`` (Gemma 2) caps the logits before the masks; ``sinks`` (gpt-oss, (h_q,)) take their share of each
+    softmax (``criticalkv.logits``).
     """
     b, h_q, q, d = query.shape
     h_kv = layer.lengths.shape[1]
@@ -89,7 +88,7 @@ def segment_attention(
     row_sinks = None if sinks is None else sinks.to(exact).view(h_kv, g, 1).repeat(b, 1, q).view(segments, g * q, 1)
 
     every_tail = None  # (S, G*q, tail): every tail's logits at once, when small (a decode step)
-    if segments * g * q * tail <= SEGMENT_BLOCK_ELEMENTS:
+    if segments * g * q * tail <= fused_attention.LOGIT_BLOCK_ELEMENTS:
         every_tail = soft_cap_(torch.bmm(folded, tail_k.transpose(1, 2)), softcap)
         if readable is not None:
             every_tail = every_tail.view(b, h_kv, g * q, tail).masked_fill_(~readable[:, None], float("-inf"))
@@ -108,7 +107,7 @@ def segment_attention(
         start, end = offsets[segment], offsets[segment + 1]
         keys = context_keys[start:end].to(exact)  # (n, d): a view in that dtype, a copy otherwise
         values = context_values[start:end].to(exact)
-        step = max(1, SEGMENT_BLOCK_ELEMENTS // max(end - start + tail, 1))
+        step = max(1, fused_attention.LOGIT_BLOCK_ELEMENTS // max(end - start + tail, 1))
         for row in range(0, g * q, step):
             rows = slice(row, row + step)
             context_logits = soft_cap_(folded[segment, rows] @ keys.T, softcap)

@@ -88,8 +88,9 @@ CPU_PADDED_MAX_BYTES = 4 * 2**20
 CPU_SEGMENT_ENTRIES = 256
 #: On CUDA, the padded path runs when its padded key tensor takes at most this many bytes.
 CUDA_PADDED_MAX_BYTES = 2**30
-#: Logits of one block of query rows in ``explicit_attention`` (float32 elements: 16 MiB), as ``segment_attention``.
-EXPLICIT_BLOCK_ELEMENTS = 2**22
+#: Logits of one block of query rows (float32 elements: 16 MiB), in ``explicit_attention`` and in
+#: ``criticalkv.cache.attention.segment_attention`` (both read it when called).
+LOGIT_BLOCK_ELEMENTS = 2**22
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
 
@@ -154,7 +155,7 @@ def explicit_attention(
     """SDPA's contract written out, with the soft cap before the mask and the sinks in the softmax
     (``criticalkv.logits``): folded (b, h_kv, G*q, d) query heads of a KV head adjacent, keys and values
     (b, h_kv, n, d), mask broadcastable to (b, h_kv, G*q, n) bool or None; sinks (h_q,). Products and softmax in
-    float32 (float64 for float64 inputs), blocks of query rows bounding the logits to ``EXPLICIT_BLOCK_ELEMENTS``; a
+    float32 (float64 for float64 inputs), blocks of query rows bounding the logits to ``LOGIT_BLOCK_ELEMENTS``; a
     row that reads nothing gets zeros, as from SDPA. Returns (b, h_kv, G*q, d) in the query's dtype."""
     b, h_kv, rows, d = folded.shape
     n = keys.shape[2]
@@ -165,7 +166,7 @@ def explicit_attention(
         g = sinks.numel() // h_kv
         row_sinks = sinks.to(exact).view(1, h_kv, g, 1).repeat_interleave(rows // g, dim=2)
     out = folded.new_empty(b, h_kv, rows, d)
-    step = max(1, EXPLICIT_BLOCK_ELEMENTS // max(b * h_kv * n, 1))
+    step = max(1, LOGIT_BLOCK_ELEMENTS // max(b * h_kv * n, 1))
     for start in range(0, rows, step):
         part = slice(start, start + step)
         logits = (folded[:, :, part].to(exact) * scaling) @ keys_t  # (b, h_kv, r, n)
