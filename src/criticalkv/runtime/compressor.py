@@ -74,17 +74,9 @@ def check_methods_config(config: PretrainedConfig, methods: Sequence[Method | No
     sinks), and a forced flash-attn path (``$CRITICALKV_ATTENTION=flash``) on soft-capped or sink attention. None
     (the full cache, in a ``SharedPrefill``) needs the family alone."""
     check_supported(config)
-    for method in methods:
-        if method is not None:
-            _check_method_config(config, method)
-    if any(m is not None for m in methods) and requested_path() == "flash" and logit_changes(config):
-        raise UnsupportedModelError(
-            f"{ATTENTION_ENV_VAR}=flash: this model soft-caps its attention logits or adds attention sinks, which "
-            "criticalkv's flash-attn call does not pass on; leave the path to criticalkv"
-        )
-
-
-def _check_method_config(config: PretrainedConfig, method: Method) -> None:
+    compressing = [method for method in methods if method is not None]
+    if not compressing:
+        return
     kinds, kwargs = layer_types(config)
     if "full_attention" not in kinds:
         windows = sorted({k["sliding_window"] for k in kwargs if k.get("sliding_window") is not None}) or ["?"]
@@ -94,18 +86,24 @@ def _check_method_config(config: PretrainedConfig, method: Method) -> None:
             f"{positions} positions, as in Phi-3-mini-4k or Mistral-7B-v0.1): criticalkv compresses full-attention "
             "layers only, so there is nothing to compress"
         )
-    scorer = method.scorer
-    if len(set(kinds)) > 1 and not getattr(scorer, "supports_sliding_windows", True):
-        sliding = sum(kind != "full_attention" for kind in kinds)
+    sliding = sum(kind != "full_attention" for kind in kinds)
+    for method in compressing:
+        scorer = method.scorer
+        if sliding and not getattr(scorer, "supports_sliding_windows", True):
+            raise UnsupportedModelError(
+                f"{type(scorer).__name__} does not support models with sliding-window layers yet ({sliding} of this "
+                f"model's {len(kinds)} layers): their caches cannot be rewound after its passes; use a scorer that "
+                "reads the prefill alone (snapkv, tova, knorm, ...)"
+            )
+        for piece in (scorer, method.allocator, method.selector):
+            check_config = getattr(piece, "check_config", None)
+            if check_config is not None:
+                check_config(config)
+    if requested_path() == "flash" and logit_changes(config):
         raise UnsupportedModelError(
-            f"{type(scorer).__name__} does not support models with sliding-window layers yet ({sliding} of this "
-            f"model's {len(kinds)} layers): their caches cannot be rewound after its passes; use a scorer that reads "
-            "the prefill alone (snapkv, tova, knorm, ...)"
+            f"{ATTENTION_ENV_VAR}=flash: this model soft-caps its attention logits or adds attention sinks, which "
+            "criticalkv's flash-attn call does not pass on; leave the path to criticalkv"
         )
-    for piece in (scorer, method.allocator, method.selector):
-        check_config = getattr(piece, "check_config", None)
-        if check_config is not None:
-            check_config(config)
 
 
 def check_compressible(model: PreTrainedModel, method: Method | None) -> None:
