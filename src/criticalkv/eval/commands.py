@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # needle_grid pulls matplotlib: imported by the command only
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from criticalkv.eval.needle_grid import NeedleCell
+    from criticalkv.runtime.method import Method
 
 app = typer.Typer(
     help="Benchmarks: RULER and needle-in-a-haystack, generated offline; LongBench from local files.",
@@ -81,14 +82,13 @@ def _capped(default: Callable[[Any], int], cap: int) -> Callable[[Any], int]:
     return lambda sample: min(default(sample), cap) if cap else default(sample)
 
 
-def _methods(text: str) -> list[str]:
-    """The comma-separated method specs, each built once so a bad name or option fails before the model loads."""
+def _methods(text: str) -> tuple[list[str], list[Method | None]]:
+    """The comma-separated method specs and each built, so a bad name or option fails before the model loads (the
+    built ones are checked against the model's config by ``_load``)."""
     names = _split(text)
     if not names:
         raise CriticalKVError("--methods needs at least one method (the full cache always runs as the reference)")
-    for name in names:
-        build_method(name)
-    return names
+    return names, [build_method(name) for name in names]
 
 
 def _budgets(text: str) -> list[Budget]:
@@ -99,11 +99,10 @@ def _budgets(text: str) -> list[Budget]:
     return parsed
 
 
-def _load(model: str, dtype: str, device: str, methods: list[str]) -> tuple[Any, Any]:
+def _load(model: str, dtype: str, device: str, methods: list[Method | None]) -> tuple[Any, Any]:
     """``launch.load_model``, with its hints (``load_notes``: a bfloat16 model on a CPU without bfloat16
     instructions, a tokenizer without a chat template); ``methods`` checked against the config before the load."""
-    built = [build_method(name) for name in methods if name != "full"]
-    check = partial(check_methods_config, methods=built)
+    check = partial(check_methods_config, methods=methods)
     loaded, tokenizer = launch.load_model(model, dtype=dtype, device=device, check_config=check)
     for note in load_notes(loaded, tokenizer) if launch.is_main_process() else []:
         console.print(note, style="dim", markup=False)
@@ -177,11 +176,11 @@ def ruler(
         if unknown:
             raise CriticalKVError(f"unknown RULER task(s) {unknown}; tasks: {', '.join(ruler_data.TASKS)}")
         parsed = _budgets(budgets)
-        names = _methods(methods)
+        names, built = _methods(methods)
         regime = regime_of(mode, question_aware)
         folder = out or Path("results") / f"ruler-{Path(model).name}-{length}-{regime}"
         check_out_folder(folder)
-        loaded, tokenizer = _load(model, dtype, device, names)
+        loaded, tokenizer = _load(model, dtype, device, built)
         max_length = check_length(loaded.config, length)
 
         with console.status(f"generating {samples} samples of {len(chosen)} task(s)"):  # a task too short fails now
@@ -265,13 +264,13 @@ def needle(
 
     try:
         parsed = _budgets(budgets)
-        names = _methods(methods)
+        names, built = _methods(methods)
         regime = regime_of(mode, question_aware)
         folder = out or Path("results") / f"needle-{Path(model).name}-{regime}"
         grid = {"lengths": parse_numbers(lengths, int, "--lengths"), "depths": parse_numbers(depths, float, "--depths")}
         check_grid(grid["lengths"], grid["depths"])  # before the model loads
         check_out_folder(folder)
-        loaded, tokenizer = _load(model, dtype, device, names)
+        loaded, tokenizer = _load(model, dtype, device, built)
         check_length(loaded.config, max(grid["lengths"], default=0), "--lengths")
         cells = needle_grid(tokenizer, grid["lengths"], grid["depths"], seed)
         _check_prompts(loaded.config, tokenizer, cells)
@@ -351,11 +350,11 @@ def longbench(
         at_least(max_new_tokens, 0, "--max-new-tokens")
         groups = longbench_run.read_datasets(data, _split(datasets))
         parsed = _budgets(budgets)
-        names = _methods(methods)
+        names, built = _methods(methods)
         regime = regime_of(mode, question_aware)
         folder = out or Path("results") / f"longbench-{Path(model).name}-{max_length}-{regime}"
         check_out_folder(folder)
-        loaded, tokenizer = _load(model, dtype, device, names)
+        loaded, tokenizer = _load(model, dtype, device, built)
         with console.status(f"truncating and encoding the prompts of {len(groups)} dataset(s)"):
             items = longbench_run.longbench_items(tokenizer, groups, samples, max_length)
         for item in items:  # every prompt fits the model, checked before the first answer
