@@ -192,24 +192,6 @@ def test_eval_mode_and_its_older_spelling():
     assert regime_of("aware", False) == regime_of(None, True) == regime_of("aware", True) == "aware"
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
-def test_perturbation_refuses_soft_caps_and_sinks_before_loading_or_measuring(tmp_path, monkeypatch, family):
-    """The capture refused these families only after the model's load (and any --exhaustive-check)."""
-    from transformers import Gemma2Config, GptOssConfig
-
-    def measured(**_) -> None:
-        raise AssertionError("the exhaustive check ran before the model was checked")
-
-    monkeypatch.setattr("criticalkv.analysis.command.run_exhaustive_check", measured)
-
-    config_class = {"gemma2": Gemma2Config, "gpt_oss": GptOssConfig}[family]
-    config_class(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2).save_pretrained(
-        tmp_path / "model"
-    )  # config only: a load would stop at "holds no weights"
-    args = ["perturbation", "--model", str(tmp_path / "model"), "--samples", "1", "--out", str(tmp_path / "p")]
-    _refused([*args, "--exhaustive-check"], "soft-capped logits (Gemma 2) or attention sinks (gpt-oss)")
-
-
 @pytest.mark.parametrize(
     ("family", "command", "message"),
     [
@@ -222,13 +204,22 @@ def test_perturbation_refuses_soft_caps_and_sinks_before_loading_or_measuring(tm
         ("gemma2", ["run", "--method", "snapkv", "--flash"], "CRITICALKV_ATTENTION=flash: this model soft-caps"),
         ("gemma2", ["run", "--method", "snapkv"], "holds no weights"),  # accepted: the load goes on
         ("gpt_oss", ["eval", "ruler", "--methods", "critical-adakv"], "holds no weights"),
+        # the perturbation analysis (its capture), before the load and before --exhaustive-check
+        ("gemma2", ["perturbation", "--samples", "1", "--exhaustive-check", "--sliding"], "soft-capped logits (Gemma"),
+        ("gpt_oss", ["perturbation", "--samples", "1", "--exhaustive-check", "--sliding"], "or attention sinks (gpt"),
     ],
 )
 def test_methods_that_cannot_compress_the_model_are_refused_before_its_load(
     tmp_path, monkeypatch, family, command, message
 ):
-    """These were refused when the method was installed, after the model's load."""
+    """These were refused when the method was installed (the perturbation analysis: by its capture), after the
+    model's load."""
     from transformers import Gemma2Config, GptOssConfig, MistralConfig
+
+    def measured(**_) -> None:
+        raise AssertionError("the exhaustive check ran before the model was checked")
+
+    monkeypatch.setattr("criticalkv.analysis.command.run_exhaustive_check", measured)
 
     sliding = "--sliding" in command  # Gemma 2 and gpt-oss alternate sliding-window layers; without: full only
     if "--flash" in command:
@@ -247,7 +238,7 @@ def test_methods_that_cannot_compress_the_model_are_refused_before_its_load(
     }[family]
     shape = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
     config_class(**shape, **extra).save_pretrained(tmp_path / "model")  # no weights: a load stops at "holds no"
-    where = ["--out", str(tmp_path / "out")] if command[0] == "eval" else []
+    where = ["--out", str(tmp_path / "out")] if command[0] in ("eval", "perturbation") else []
     _refused([*command, "--model", str(tmp_path / "model"), *where], message)
 
 
