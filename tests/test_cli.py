@@ -253,6 +253,7 @@ def test_methods_that_cannot_compress_the_model_are_refused_before_its_load(
         (["perturbation", "--n", "0", "--exhaustive-check", "--exhaustive-trials", "0"], "got 0, 4, 12"),
         (["eval", "needle", "--lengths", "512,abc"], "--lengths takes comma-separated ints, got '512,abc'"),
         (["eval", "ruler", "--mode", "both"], "--mode must be 'agnostic' or 'aware', got 'both'"),
+        (["run", "--mode", "both"], "--mode must be 'agnostic' or 'aware', got 'both'"),
         (["eval", "needle", "--mode", "agnostic", "--question-aware"], "it contradicts --mode agnostic"),
         (["eval", "needle", "--depths", "0,x"], "--depths takes comma-separated floats"),
         (["calibrate-heads", "--lengths", "1024,2k"], "--lengths takes comma-separated ints, got '1024,2k'"),

@@ -22,7 +22,7 @@ from criticalkv.distributed import launch
 from criticalkv.distributed.layout import ParallelLayout
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.commands import app as eval_app
-from criticalkv.eval.commands import at_least, parse_numbers
+from criticalkv.eval.commands import at_least, parse_numbers, regime_of
 from criticalkv.methods import PRESETS, build_method, parse_option_value
 from criticalkv.models.families import SUPPORTED_FAMILIES, check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, list_presets, load_notes
@@ -198,8 +198,7 @@ def _run(
     option,
     json_path,
 ) -> None:
-    if mode not in ("aware", "agnostic"):
-        raise CriticalKVError(f"--mode must be 'aware' or 'agnostic', got {mode!r}")
+    regime_of(mode, question_aware=False)  # refuses a mode other than agnostic or aware, as eval's --mode
     at_least(max_new_tokens, 1, "--max-new-tokens")
     named = [m.strip() for m in method.split(",") if m.strip()]
     if not named:
