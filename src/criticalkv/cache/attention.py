@@ -158,18 +158,19 @@ def base_attention(module: nn.Module, base: str):
     return ALL_ATTENTION_FUNCTIONS[base]
 
 
-def check_logit_inputs(module: nn.Module, kwargs: dict) -> None:
-    """Refuse a call whose soft cap or sinks are not what ``criticalkv.logits`` reads from its module: criticalkv's
-    scorers and compressed attention would compute another attention than the model's."""
+def check_logit_inputs(module: nn.Module, kwargs: dict) -> tuple[float | None, torch.Tensor | None]:
+    """The module's soft cap and sinks as ``criticalkv.logits`` reads them, after refusing a call whose soft cap or
+    sinks are not those: criticalkv's scorers and compressed attention would compute another attention than the
+    model's."""
+    softcap, sinks = logit_softcap(module), attention_sinks(module)
     passed_cap = kwargs.get("softcap")
     passed_sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-    if (passed_cap is None) != (logit_softcap(module) is None) or (passed_sinks is None) != (
-        attention_sinks(module) is None
-    ):
+    if (passed_cap is None) != (softcap is None) or (passed_sinks is None) != (sinks is None):
         raise CriticalKVError(
             f"{type(module).__name__} passes its attention function a soft cap or attention sinks that criticalkv "
             "does not apply to it: its scores and compressed attention would not be the model's"
         )
+    return softcap, sinks
 
 
 def criticalkv_attention(
@@ -188,10 +189,9 @@ def criticalkv_attention(
     scaling = module.scaling if scaling is None else scaling
     layer = compressor.layer_for(module.layer_idx)
     if layer is not None:
-        check_logit_inputs(module, kwargs)
+        softcap, sinks = check_logit_inputs(module, kwargs)
     if layer is not None and layer.is_compressed:
         mask = layer.tail_mask(attention_mask, query.shape[2])
-        softcap, sinks = logit_softcap(module), attention_sinks(module)
         out = compressed_attention(query, layer, key, value, mask, scaling, softcap=softcap, sinks=sinks)
         weights = None
     else:
