@@ -164,22 +164,30 @@ def test_run_on_a_family_without_sdpa_loads_it_with_eager_attention(tmp_path, ti
     assert compressed["kept_entries"] < compressed["full_entries"]
 
 
-def test_context_longer_than_the_model_refused_before_prefill(short_model, tmp_path, monkeypatch):
-    def prefill(*args, **kwargs):
-        raise AssertionError("a prefill ran")
+def test_context_longer_than_the_model_refused_before_its_weights_load(short_model, tmp_path, monkeypatch):
+    """The prompts are built with the tokenizer and checked against the config before any weight is read."""
 
-    monkeypatch.setattr("criticalkv.runtime.session.ContextSession.prefill", prefill)
-    monkeypatch.setattr("criticalkv.eval.commands.run_sweep", prefill)
-    monkeypatch.setattr("criticalkv.analysis.command.capture", prefill)
+    class NoWeights:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr("criticalkv.models.presets.AutoModelForCausalLM", NoWeights)
     model = ["--model", str(short_model), "--device", "cpu"]
     context = tmp_path / "context.txt"
     context.write_text("The quick brown fox jumps over the lazy dog. " * 20)
     _refused(["run", *model, "--context-file", str(context), "--question", "hi"], "prompt length")
     _refused(["run", *model, "--context-tokens", "200"], "exceeds the model's maximum of 128 positions")
+    _refused(["eval", "ruler", *model, "--length", "200", "--out", str(tmp_path / "r")], "length 200 exceeds")
     _refused(["eval", "needle", *model, "--lengths", "64,200", "--out", str(tmp_path / "n")], "--lengths 200 exceeds")
     # a context that fits, but not with the question and answer prefix after it
     needle_120 = ["eval", "needle", *model, "--lengths", "120", "--out", str(tmp_path / "n")]
     _refused(needle_120, "--lengths 120: prompt length")
+    record = {"input": "Who?", "context": "A fox. " * 100, "answers": ["fox"], "length": 2, "dataset": "hotpotqa"}
+    record |= {"language": "en", "all_classes": None, "_id": "hotpotqa-0"}
+    (tmp_path / "hotpotqa.jsonl").write_text(json.dumps(record) + "\n")
+    longbench = ["eval", "longbench", str(tmp_path), *model, "--max-length", "300", "--out", str(tmp_path / "l")]
+    _refused(longbench, "hotpotqa prompt length")
     _refused(
         ["perturbation", *model, "--length", "200", "--samples", "1", "--out", str(tmp_path / "p")], "--length 200"
     )

@@ -481,7 +481,7 @@ def test_negative_scores_on_one_rank_raise_on_every_rank(tmp_path):
         assert raised == {"CriticalSelector": "NegativeScoreError", "DefensiveSelector": "NegativeScoreError"}, rank
 
 
-def test_the_torchrun_branch_of_load_model_passes_check_config_on(monkeypatch):
+def test_the_torchrun_branch_of_load_model_passes_the_pre_load_hooks_on(monkeypatch):
     """Under torchrun the commands' pre-load refusals go through the distributed load too."""
     seen = {}
 
@@ -493,6 +493,7 @@ def test_the_torchrun_branch_of_load_model_passes_check_config_on(monkeypatch):
     monkeypatch.setattr(launch, "init_process_group", lambda: None)
     monkeypatch.setattr(launch, "barrier", lambda: None)
     monkeypatch.setattr(presets, "load_model", load)
-    check = object()
-    assert launch.load_model("some/folder", check_config=check) == ("model", "tokenizer")
-    assert seen["check_config"] is check and seen["distributed_config"].tp_size == 2
+    check, prepare = object(), object()
+    assert launch.load_model("some/folder", check_config=check, with_tokenizer=prepare) == ("model", "tokenizer")
+    assert seen["check_config"] is check and seen["with_tokenizer"] is prepare
+    assert seen["distributed_config"].tp_size == 2

@@ -221,20 +221,31 @@ def _run(
         raise CriticalKVError(f"--depth must be in [0, 1], got {depth}")
     if context_file is None:
         at_least(context_tokens, 1, "--context-tokens")
+    from criticalkv.eval.needle import encode_prompt
+
+    asked: list[tuple[str, str | None, str]] = []
+    encoded: list[tuple[list[int], list[int]]] = []
+
+    def prepare(config, tokenizer) -> None:
+        """The prompts, each checked to fit the model, before its weights load."""
+        context, listed = _document(tokenizer, context_file, questions, context_tokens, depth, seed)
+        asked.extend(listed)
+        encoded.extend(encode_prompt(tokenizer, context, q, answer_prefix=prefix) for q, _, prefix in listed)
+        for prefix_ids, suffix_ids in encoded:
+            check_length(config, len(prefix_ids) + len(suffix_ids), "prompt length")
+
     with console.status(f"loading {model_name}"):
         model, tokenizer = launch.load_model(
-            model_name, dtype=dtype, device=device, check_config=partial(check_methods_config, methods=built)
+            model_name,
+            dtype=dtype,
+            device=device,
+            check_config=partial(check_methods_config, methods=built),
+            with_tokenizer=prepare,
         )
     layout = ParallelLayout.of(model)  # one process, or where this one sits in a torchrun split
     for note in load_notes(model, tokenizer) if layout.is_main else []:
         console.print(note, style="dim", markup=False)
     device = next(model.parameters()).device
-    from criticalkv.eval.needle import encode_prompt
-
-    context, asked = _document(tokenizer, context_file, questions, context_tokens, depth, seed)
-    encoded = [encode_prompt(tokenizer, context, q, answer_prefix=prefix_text) for q, _, prefix_text in asked]
-    for prefix_ids, suffix_ids in encoded:  # every prompt fits the model, checked before any prefill
-        check_length(model.config, len(prefix_ids) + len(suffix_ids), "prompt length")
     eos = tokenizer.eos_token_id
     for name in methods_:  # every compressing method is checked against the model before the first prefill
         if name != "full":

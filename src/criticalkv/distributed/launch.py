@@ -107,6 +107,7 @@ def load_model(
     attn_implementation: str = "auto",
     device: str = "auto",
     check_config: Callable[[PretrainedConfig], None] | None = None,
+    with_tokenizer: Callable[[PretrainedConfig, PreTrainedTokenizerBase], None] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``criticalkv.models.load_model``, split over the processes ``torchrun`` launched.
 
@@ -114,7 +115,8 @@ def load_model(
     one). Under ``torchrun`` the model is loaded with transformers' ``DistributedConfig(tp_size, pp_size)``
     (defaults: ``parallel_sizes``), each rank's part where transformers places it (its ``LOCAL_RANK`` GPU, or the
     CPU), so ``device`` must be ``"auto"``; a preset is converted once, by rank 0, while the others wait. The heads
-    are checked before any weight is loaded (``UnevenHeadsError``), as is ``check_config`` (``load_model``'s).
+    are checked before any weight is loaded (``UnevenHeadsError``); ``check_config`` and ``with_tokenizer`` run before
+    it too, as in ``load_model``.
     """
     from transformers.distributed import DistributedConfig
 
@@ -123,7 +125,12 @@ def load_model(
     tp, pp = parallel_sizes(tp_size, pp_size)
     if tp * pp == 1:
         return presets.load_model(
-            name_or_path, dtype=dtype, device=device, attn_implementation=attn_implementation, check_config=check_config
+            name_or_path,
+            dtype=dtype,
+            device=device,
+            attn_implementation=attn_implementation,
+            check_config=check_config,
+            with_tokenizer=with_tokenizer,
         )
     if device != "auto":
         raise CriticalKVError(f"--device {device}: under torchrun each rank runs on its own device; leave it 'auto'")
@@ -138,6 +145,7 @@ def load_model(
         attn_implementation=attn_implementation,
         distributed_config=config,
         check_config=check_config,
+        with_tokenizer=with_tokenizer,
     )
 
 

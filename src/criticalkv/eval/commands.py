@@ -99,11 +99,18 @@ def _budgets(text: str) -> list[Budget]:
     return parsed
 
 
-def _load(model: str, dtype: str, device: str, methods: list[Method | None]) -> tuple[Any, Any]:
+def _load(
+    model: str,
+    dtype: str,
+    device: str,
+    methods: list[Method | None],
+    prepare: Callable[[PretrainedConfig, PreTrainedTokenizerBase], None],
+) -> tuple[Any, Any]:
     """``launch.load_model``, with its hints (``load_notes``: a bfloat16 model on a CPU without bfloat16
-    instructions, a tokenizer without a chat template); ``methods`` checked against the config before the load."""
+    instructions, a tokenizer without a chat template); ``methods`` checked against the config and ``prepare``
+    (the samples built and their lengths checked) run with the tokenizer, both before the weights load."""
     check = partial(check_methods_config, methods=methods)
-    loaded, tokenizer = launch.load_model(model, dtype=dtype, device=device, check_config=check)
+    loaded, tokenizer = launch.load_model(model, dtype=dtype, device=device, check_config=check, with_tokenizer=prepare)
     for note in load_notes(loaded, tokenizer) if launch.is_main_process() else []:
         console.print(note, style="dim", markup=False)
     return loaded, tokenizer
@@ -180,17 +187,25 @@ def ruler(
         regime = regime_of(mode, question_aware)
         folder = out or Path("results") / f"ruler-{Path(model).name}-{length}-{regime}"
         check_out_folder(folder)
-        loaded, tokenizer = _load(model, dtype, device, built)
-        max_length = check_length(loaded.config, length)
+        every: list = []
 
-        with console.status(f"generating {samples} samples of {len(chosen)} task(s)"):  # a task too short fails now
-            every = [
-                s
-                for task in chosen
-                for s in ruler_data.generate(
-                    task, tokenizer, length, samples, seed=seed, max_length=max_length, reserve_answer=reserve_answer
-                )
-            ]
+        def prepare(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+            max_length = check_length(config, length)
+            with console.status(f"generating {samples} samples of {len(chosen)} task(s)"):  # a task too short fails
+                for task in chosen:
+                    every.extend(
+                        ruler_data.generate(
+                            task,
+                            tokenizer,
+                            length,
+                            samples,
+                            seed=seed,
+                            max_length=max_length,
+                            reserve_answer=reserve_answer,
+                        )
+                    )
+
+        loaded, tokenizer = _load(model, dtype, device, built, prepare)
 
         budget_of = _capped(lambda sample: ruler_data.TOKENS_TO_GENERATE[sample.task], max_new_tokens)
         run_sweep(
@@ -270,10 +285,14 @@ def needle(
         grid = {"lengths": parse_numbers(lengths, int, "--lengths"), "depths": parse_numbers(depths, float, "--depths")}
         check_grid(grid["lengths"], grid["depths"])  # before the model loads
         check_out_folder(folder)
-        loaded, tokenizer = _load(model, dtype, device, built)
-        check_length(loaded.config, max(grid["lengths"], default=0), "--lengths")
-        cells = needle_grid(tokenizer, grid["lengths"], grid["depths"], seed)
-        _check_prompts(loaded.config, tokenizer, cells)
+        cells: list[NeedleCell] = []
+
+        def prepare(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+            check_length(config, max(grid["lengths"], default=0), "--lengths")
+            cells.extend(needle_grid(tokenizer, grid["lengths"], grid["depths"], seed))
+            _check_prompts(config, tokenizer, cells)
+
+        loaded, tokenizer = _load(model, dtype, device, built, prepare)
         items = [
             _NeedleItem(
                 f"needle-{c.length}", i, c.sample.context, c.sample.question, c.sample.answer_prefix, c.sample.answer
@@ -354,11 +373,15 @@ def longbench(
         regime = regime_of(mode, question_aware)
         folder = out or Path("results") / f"longbench-{Path(model).name}-{max_length}-{regime}"
         check_out_folder(folder)
-        loaded, tokenizer = _load(model, dtype, device, built)
-        with console.status(f"truncating and encoding the prompts of {len(groups)} dataset(s)"):
-            items = longbench_run.longbench_items(tokenizer, groups, samples, max_length)
-        for item in items:  # every prompt fits the model, checked before the first answer
-            check_length(loaded.config, len(item.prefix_ids) + len(item.suffix_ids), f"{item.task} prompt length")
+        items: list = []
+
+        def prepare(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+            with console.status(f"truncating and encoding the prompts of {len(groups)} dataset(s)"):
+                items.extend(longbench_run.longbench_items(tokenizer, groups, samples, max_length))
+            for item in items:  # every prompt fits the model
+                check_length(config, len(item.prefix_ids) + len(item.suffix_ids), f"{item.task} prompt length")
+
+        loaded, tokenizer = _load(model, dtype, device, built, prepare)
 
         budget_of = _capped(lambda item: longbench_data.max_new_tokens(item.sample.dataset), max_new_tokens)
         run_sweep(

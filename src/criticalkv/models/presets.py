@@ -423,6 +423,7 @@ def load_model(
     attn_implementation: str = "auto",
     distributed_config: object | None = None,
     check_config: Callable[[PretrainedConfig], None] | None = None,
+    with_tokenizer: Callable[[PretrainedConfig, PreTrainedTokenizerBase], None] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a supported causal LM and its tokenizer, in eval mode.
 
@@ -449,6 +450,10 @@ def load_model(
         Called with the checkpoint's config right after the family check, before the model's weights are read (a
         preset not yet converted is converted first): what it raises propagates, so a caller's refusal (a length, a
         family it does not handle) costs no load.
+    with_tokenizer : callable, optional
+        Called with the config and the tokenizer, which is loaded first, before the model's weights are read: a
+        caller builds and checks its prompts there (their lengths against the model's), so a prompt the model cannot
+        take costs no load either.
 
     Returns
     -------
@@ -501,6 +506,9 @@ def load_model(
     if not is_preset and Path(source).is_dir():
         check_model_files(Path(source))
     if distributed_config is not None:
+        tokenizer = AutoTokenizer.from_pretrained(source, **hub)
+        if with_tokenizer is not None:
+            with_tokenizer(config, tokenizer)
         model = AutoModelForCausalLM.from_pretrained(
             source,
             dtype=torch_dtype,
@@ -508,12 +516,14 @@ def load_model(
             distributed_config=distributed_config,
             **hub,
         )
-        return model.eval(), AutoTokenizer.from_pretrained(source, **hub)
+        return model.eval(), tokenizer
     try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **hub)
+        if with_tokenizer is not None:
+            with_tokenizer(config, tokenizer)
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=torch_dtype, attn_implementation=attn_implementation, **hub
         )
-        tokenizer = AutoTokenizer.from_pretrained(source, **hub)
     except (OSError, SafetensorError) as err:
         if is_preset:  # a converted folder damaged after its conversion (a truncated copy, a full disk)
             err.add_note(
