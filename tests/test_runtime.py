@@ -1196,13 +1196,14 @@ def test_a_kept_compressor_does_not_keep_the_cache_alive():
 
 
 def test_a_dropped_cache_is_freed_inside_the_block():
-    """Inside ``compress(...)`` the compressor only points at the cache it is filling: a cache the caller drops
-    between prefills is freed then, not when the next forward or the block's end replaces the pointer."""
+    """Inside ``compress(...)`` the compressor points at the cache a forward fills only while it runs, and weakly: a
+    cache the caller drops between prefills is freed then, not when the next forward or the block's end replaces the
+    pointer."""
     model = _model("llama")
     with criticalkv.compress(model, "snapkv", budget=0.5) as compressor:
         out = model(input_ids=_ids(60, seed=47), use_cache=True)
         cache = weakref.ref(out.past_key_values)
-        assert compressor.active_cache is cache()
+        assert compressor.active_cache is None  # the forward is over
         del out
         gc.collect()
         assert cache() is None and compressor.active_cache is None
@@ -1265,6 +1266,43 @@ def test_uncached_forward_after_compressed_generation():
         _generate(model, ids, n=3)
         logits = model(input_ids=ids, use_cache=False).logits
     torch.testing.assert_close(logits, full, rtol=0, atol=0)
+
+
+def test_a_forward_that_bypasses_the_models_call_reads_no_earlier_cache():
+    """``model.model(...)`` and ``model.forward(...)`` skip the hooks that give a forward its cache: inside a block,
+    after a generation whose cache the caller still holds, they must run the model's own attention (they read that
+    older cache's compressed layers before)."""
+    model = _model("llama")
+    ids, other = _ids(40, seed=47), _ids(20, seed=48)
+    hidden = model.model(input_ids=other, use_cache=False).last_hidden_state
+    logits = model(input_ids=other, use_cache=False).logits
+    with criticalkv.compress(model, "critical-snapkv", budget=0.3, window=8):
+        *_, held = _generate_with_cache(model, ids, n=3)
+        assert held.get_seq_length() > 0  # the caller keeps the answer's cache
+        for use_cache in (False, True):
+            out = model.model(input_ids=other, use_cache=use_cache).last_hidden_state
+            torch.testing.assert_close(out, hidden, rtol=0, atol=0)
+        torch.testing.assert_close(model.forward(input_ids=other).logits, logits, rtol=0, atol=0)
+
+
+def test_generation_under_inference_mode_equals_no_grad():
+    """Tensors made under ``torch.inference_mode`` have no version counter; the cache's memo of its segment widths
+    read one at the first decode step."""
+    model = _model("llama")
+    ids = _ids(40, seed=49, b=2)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    for name in ("snapkv", "critical-snapkv", "critical-adakv"):
+        runs = []
+        for mode in (torch.no_grad, torch.inference_mode):
+            with mode(), criticalkv.compress(model, name, budget=0.3, window=8):
+                runs.append(_generate(model, ids, mask))
+        assert torch.equal(runs[0][0], runs[1][0]), name
+        torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=0)
+    with torch.inference_mode():
+        session = ContextSession(model, "critical-snapkv", budget=0.3, window=8)
+        session.prefill(ids[:1])
+        assert session.ask(_ids(4, seed=50), max_new_tokens=4).tokens.shape == (1, 4)
 
 
 def test_compressed_cache_continued_outside_the_block_is_right_or_refused():

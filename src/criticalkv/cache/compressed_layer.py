@@ -321,16 +321,18 @@ class CompressedLayer(CacheLayerMixin):
         """The context entries every segment holds when they all hold the same count, else None.
 
         Remembered per ``lengths`` tensor and version (a decode step asks once per layer; the counts change only when
-        the layer is compressed, shrunk or reordered)."""
+        the layer is compressed, shrunk or reordered, each of which makes a new tensor). A tensor made under
+        ``torch.inference_mode`` has no version: remembered per tensor alone."""
         lengths = self.lengths
+        version = None if lengths.is_inference() else lengths._version
         memo = self._width_memo
-        if memo is not None and memo[0] is lengths and memo[1] == lengths._version:
+        if memo is not None and memo[0] is lengths and memo[1] == version:
             return memo[2]
         width = None
         if lengths.numel():
             top = int(lengths.max())
             width = top if int(lengths.min()) == top else None
-        self._width_memo = (lengths, lengths._version, width)
+        self._width_memo = (lengths, version, width)
         return width
 
     def offsets(self) -> torch.Tensor:

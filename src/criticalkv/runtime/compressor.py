@@ -218,6 +218,7 @@ class Compressor:
         self.modules = attention_modules(self.model)
         self._hook = None
         self._finish_hook = None
+        self._end_hook = None
         self._generate_guard: Callable | None = None  # the model's generate wrapped while installed
         self.pending: list[PendingLayer] = []  # layers of a deferred method during a prefill
         self._inputs: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # the prefill's ids and mask
@@ -233,8 +234,8 @@ class Compressor:
 
     @property
     def active_cache(self) -> CompressedCache | None:
-        """The cache the running forward fills (set by ``CompressedCache.update``), held weakly: a cache its caller
-        drops between forwards is freed then, even inside a ``compress(...)`` block."""
+        """The cache the running forward fills (set by ``CompressedCache.update``, cleared when the model's forward
+        ends), held weakly: a cache its caller drops is freed then, even inside a ``compress(...)`` block."""
         return None if self._active is None else self._active()
 
     @active_cache.setter
@@ -254,6 +255,7 @@ class Compressor:
         self.model.set_attn_implementation(attention.implementation_name(self.base_implementation))
         self._hook = self.model.register_forward_pre_hook(self._provide_cache, with_kwargs=True)
         self._finish_hook = self.model.register_forward_hook(self._finish_prefill, with_kwargs=True)
+        self._end_hook = self.model.register_forward_hook(self._end_forward, always_call=True)  # also when it raised
         self._guard_generate()
         return self
 
@@ -305,10 +307,10 @@ class Compressor:
         self._generate_guard = guarded
 
     def uninstall(self) -> None:
-        for hook in (self._hook, self._finish_hook):
+        for hook in (self._hook, self._finish_hook, self._end_hook):
             if hook is not None:
                 hook.remove()
-        self._hook = self._finish_hook = None
+        self._hook = self._finish_hook = self._end_hook = None
         if self._generate_guard is not None and self.model.__dict__.get("generate") is self._generate_guard:
             del self.model.generate  # the class's generate again
         self._generate_guard = None
@@ -393,6 +395,13 @@ class Compressor:
         finally:
             self._finishing = False
             self.pending = []
+
+    def _end_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        """The model's forward is over (or raised): its cache no longer applies. A forward that does not pass through
+        the model's own call (``model.model(...)``, ``model.forward(...)``, with a cache of their own) must not read
+        an earlier forward's compressed layers: with none active, the attention function runs the model's own."""
+        if not self._finishing:  # a deferred scorer's own forwards end inside the forward being finished
+            self.active_cache = None
 
     def start_prefill(self) -> None:
         """Forget the records and the compression time of the previous prefill."""
