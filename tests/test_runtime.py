@@ -922,6 +922,25 @@ def test_custom_method_object():
         pass
 
 
+@pytest.mark.parametrize(("dtype", "device"), [(torch.int8, "cpu"), (torch.float8_e4m3fn, "cpu"), (None, "meta")])
+def test_value_norms_refuse_an_output_projection_that_is_not_w_o(dtype, device):
+    """A quantized o_proj (int8, float8 with its scales apart) or an offloaded one (meta) is not W_O: the value norms
+    ||V W_O|| read from it would be wrong, with no error. Methods without value norms still run."""
+    from criticalkv.analysis.capture import capture
+
+    model = _model("llama")
+    o_proj = model.model.layers[1].self_attn.o_proj
+    weight = o_proj.weight.detach().to(device=device, dtype=dtype or o_proj.weight.dtype)
+    o_proj.weight = torch.nn.Parameter(weight, requires_grad=False)
+    for name in ("critical-snapkv", "critical-adakv", "defensive", "measured-snapkv"):
+        with pytest.raises(UnsupportedModelError, match="layer 1's o_proj"), criticalkv.compress(model, name, 0.5):
+            pass
+    with pytest.raises(UnsupportedModelError, match="the perturbation analysis reads"):
+        capture(model, _ids(8))
+    with criticalkv.compress(model, "snapkv", budget=0.5) as compressor:  # no value norms: accepted
+        assert compressor.installed
+
+
 def test_knorm_through_critical_selector_refused_in_a_model():
     from criticalkv.errors import NegativeScoreError
     from criticalkv.scorers import KeyNormScorer

@@ -36,6 +36,7 @@ from criticalkv.logits import logit_changes
 from criticalkv.models.families import attention_modules
 from criticalkv.runtime.compressor import prefill_view
 from criticalkv.scorers import LayerView
+from criticalkv.selectors.value_norm import check_output_projections
 
 __all__ = ["Capture", "LayerCapture", "attention_modules", "capture"]
 
@@ -197,6 +198,7 @@ def capture(
     if context_ids.dim() != 2:
         raise CriticalKVError(f"context_ids must be (batch, tokens), got shape {tuple(context_ids.shape)}")
     check_capturable(model.config)
+    check_output_projections(model, "the perturbation analysis")
     modules = attention_modules(model)
     if any(_ATTR in m.__dict__ for m in modules):
         raise CacheStateError("a capture is already running on this model")

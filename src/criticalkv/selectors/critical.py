@@ -7,12 +7,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from torch import nn
 
 from criticalkv.scorers.base import LayerView
 from criticalkv.scorers.snapkv import AGGREGATES, window_head_scores
 from criticalkv.selectors.base import add_top, keep_protected, largest, open_places, take_top
 from criticalkv.selectors.norm_screen import BRACKETS, first_round, screen_kind, take_top_by_value_norm
-from criticalkv.selectors.value_norm import projected_value_norm
+from criticalkv.selectors.value_norm import check_output_projections, projected_value_norm
 
 STAGE2_ATTENTION = ("scores", "unpooled")
 VALUE_NORMS = ("group_mean", "per_head")
@@ -84,6 +85,10 @@ class CriticalSelector:
             raise ValueError(f"window must be >= 1 and kernel a positive odd number, got {self.window}, {self.kernel}")
         if self.aggregate not in AGGREGATES:
             raise ValueError(f"aggregate must be one of {AGGREGATES}, got {self.aggregate!r}")
+
+    def check_model(self, model: nn.Module) -> None:
+        """Refuse output projections whose weight is not W_O (quantized, offloaded): stage 2 multiplies by it."""
+        check_output_projections(model, "CriticalKV's stage 2")
 
     def select(
         self, scores: torch.Tensor, budgets: torch.Tensor, protected: torch.Tensor, view: LayerView

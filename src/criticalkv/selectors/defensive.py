@@ -8,12 +8,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from torch import nn
 
 from criticalkv.distributed.heads import head_shard, share_every_head
 from criticalkv.scorers.base import LayerView
 from criticalkv.scorers.defensive import MASS_SLICES, WindowStatistics, window_statistics
 from criticalkv.selectors.base import keep_protected
-from criticalkv.selectors.value_norm import projected_value_norm
+from criticalkv.selectors.value_norm import check_output_projections, projected_value_norm
 
 
 @dataclass
@@ -64,6 +65,10 @@ class DefensiveSelector:
             raise ValueError(f"mass must be in [0, 1], got {self.mass}")
         if self.mass_slice not in MASS_SLICES:
             raise ValueError(f"mass_slice must be one of {MASS_SLICES}, got {self.mass_slice!r}")
+
+    def check_model(self, model: nn.Module) -> None:
+        """Refuse output projections whose weight is not W_O (quantized, offloaded): the ranking multiplies by it."""
+        check_output_projections(model, "DefensiveKV's ranking")
 
     def rank(
         self, scores: torch.Tensor, row_budgets: torch.Tensor, protected: torch.Tensor, view: LayerView

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig
 
 from criticalkv.errors import UnsupportedModelError
@@ -35,6 +36,7 @@ from criticalkv.scorers.snapkv import shared_window_attention
 from criticalkv.selectors.base import keep_protected, take_top
 from criticalkv.selectors.critical import CriticalSelector
 from criticalkv.selectors.topk import TopKSelector
+from criticalkv.selectors.value_norm import check_output_projections
 
 STARTS = ("topk", "critical")
 SEARCHES = ("l1", "l2")
@@ -466,6 +468,10 @@ class PerturbationSelector:
                 "the measured selectors do not apply attention sinks (gpt-oss) yet; use snapkv, critical-snapkv, "
                 "adakv, critical-adakv or another preset without 'measured'"
             )
+
+    def check_model(self, model: nn.Module) -> None:
+        """Refuse output projections whose weight is not W_O (quantized, offloaded): the perturbation passes it."""
+        check_output_projections(model, "the measured selectors")
 
     def select(
         self, scores: torch.Tensor, budgets: torch.Tensor, protected: torch.Tensor, view: LayerView

@@ -29,13 +29,15 @@ from criticalkv.selectors.base import add_top, largest, open_places
 from criticalkv.selectors.value_norm import projected_value_norm
 
 # |N_bf16 - N_fp32| <= REL * N_bf16 + ABS_PER_DIM * d * M, with M = sum_j sum_k |V_k| |W_kj| (averaged over the group).
-# bfloat16 rounds each product's result to within 2^-9 of it, so the L1 sums differ by at most about 2^-9 of N;
-# both products accumulate d terms in float32 (each within d * 2^-24 * M of exact) and sum `hidden` values in
-# float32 (within hidden * 2^-24 of N, far below 2^-9 for hidden < 2^13). The constants hold a margin of 4 and 8.
+# bfloat16 rounds each product's result to within 2^-8 of it (its unit roundoff: 8 significant bits), so the L1 sums
+# differ by at most about 2^-8 of N; both products accumulate d terms in float32 (each within d * 2^-24 * M of exact)
+# and sum `hidden` values in float32 (within hidden * 2^-24 of N, far below 2^-8 for hidden < 2^13). The constants
+# hold a margin of 2 and 8.
 REL = 2.0**-7
 ABS_PER_DIM = 2.0**-20
 # cuBLAS may round partial sums of a bfloat16 product to bfloat16 unless told not to
-# (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction): then each is within 2^-9 * M.
+# (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction, on by default): each such rounding is within
+# 2^-8 * M, and the constant covers two (a split of the d products in two; more splits are not bounded here).
 ABS_REDUCED = 2.0**-7
 # The l2 bracket's first round: each head's float32 norms for this many times its need, highest upper bounds first
 # (1.5 computed the fewest norms in all on SmolLM2 2k and Qwen2.5-0.5B 4k needle prompts, against 1, 2 and 3).

@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+from criticalkv.errors import UnsupportedModelError
+from criticalkv.models.families import attention_modules
+
+#: The dtypes of an output projection weight that is W_O itself (a quantized one holds codes and scales apart).
+PLAIN_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # Largest intermediate (b, h_kv, chunk, G * hidden) built at once, in elements. On a CPU 2 MiB in float32: it stays
 # in cache, and bounds the memory of long contexts. On a GPU 256 MiB: every chunk costs a few kernel launches, and
@@ -12,6 +19,23 @@ _CHUNK_ELEMENTS_CUDA = 64 * 1024 * 1024
 # Fewest rows a product is computed with: on a CPU the norms of a row then come out the same bits whether the row is
 # computed among all of a head's or among a few gathered ones (the value-norm screen; tests/test_norm_screen.py).
 _MIN_ROWS = 16
+
+
+def check_output_projections(model: nn.Module, who: str) -> None:
+    """Refuse a model whose attention output projections do not hold W_O as a plain floating-point weight that ``who``
+    (a selector reading ||V W_O||) can multiply: quantized (int8, packed 4-bit, float8 with its scales apart) or
+    offloaded (on the meta device). The norms read from it would be wrong, with no error."""
+    for module in attention_modules(model):
+        weight = getattr(module.o_proj, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dtype in PLAIN_WEIGHT_DTYPES and not weight.is_meta:
+            continue
+        held = "no weight" if not isinstance(weight, torch.Tensor) else f"a {weight.dtype} weight on {weight.device}"
+        raise UnsupportedModelError(
+            f"{who} reads the attention output projection W_O (the value norm ||V W_O||_1), and layer "
+            f"{module.layer_idx}'s o_proj ({type(module.o_proj).__name__}) holds {held}: a quantized or offloaded "
+            "weight is not W_O. Load the model unquantized and on one device, or use a method without value norms "
+            "(snapkv, adakv, headkv, ...)"
+        )
 
 
 def projected_value_norm(
