@@ -4,6 +4,7 @@ error paths behave."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import sys
@@ -928,7 +929,7 @@ def test_value_norms_refuse_an_output_projection_that_is_not_w_o(dtype, device):
     ||V W_O|| read from it would be wrong, with no error. Methods without value norms still run."""
     from criticalkv.analysis.capture import capture
 
-    model = _model("llama")
+    model = copy.deepcopy(_model("llama"))  # the shared one stays intact
     o_proj = model.model.layers[1].self_attn.o_proj
     weight = o_proj.weight.detach().to(device=device, dtype=dtype or o_proj.weight.dtype)
     o_proj.weight = torch.nn.Parameter(weight, requires_grad=False)
