@@ -247,7 +247,7 @@ def test_rows_scores_and_resume(data: Path, model_folder: Path, tmp_path: Path, 
         assert entry["mean"] == pytest.approx(expected["average"])
     assert next(e for e in summary["rows"] if e["method"] == "full")["mean"] > 0
     report = (out / "report.md").read_text()
-    assert report.startswith(f"# LongBench (max length 3500), {model_folder.name}, question-agnostic\n")
+    assert report.startswith(f"# LongBench (max length 3500), {model_folder.name}, float32, question-agnostic\n")
 
     settings = json.loads((out / SETTINGS_FILE).read_text())  # a folder of the first protocol: no version key
     del settings["protocol"]

@@ -33,7 +33,7 @@ def test_merge_keeps_each_answer_once_and_reports(tmp_path):
     b = _folder(  # the same samples later, another budget: the full cache's answer comes again, identical
         tmp_path / "b", [_row("qa_1", "full", 1.0, "Paris", 100.0), _row("qa_1", "snapkv", 0.4, "Paris", 100.0)]
     )
-    c = _folder(tmp_path / "c", [_row("vt", "full", 1.0, "x y", 50.0)], settings=None)  # a folder of other tasks
+    c = _folder(tmp_path / "c", [_row("vt", "full", 1.0, "x y", 50.0)])  # a folder of other tasks
     assert merge_sweeps([a, b, c], tmp_path / "m") == 4
     rows = load_rows(tmp_path / "m" / "results.jsonl")
     assert sorted((r.task, r.method, r.budget) for r in rows) == [
@@ -58,6 +58,9 @@ def test_merge_refuses_other_settings_other_answers_and_a_missing_out(tmp_path):
         merge_sweeps([a, c], tmp_path / "m")
     with pytest.raises(CriticalKVError, match="is one of the folders"):
         merge_sweeps([a, c], a)
+    unrecorded = _folder(tmp_path / "d", [_row("qa_1", "snapkv", 0.2, "Rome")], settings=None)  # no sweep.json
+    with pytest.raises(CriticalKVError, match=r"d record no sweep.json .* cannot be checked"):
+        merge_sweeps([a, unrecorded], tmp_path / "m")
     result = CliRunner().invoke(app, ["report", str(a), str(c)])
     assert result.exit_code == 2 and "give --out" in result.output
 

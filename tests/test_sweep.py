@@ -265,3 +265,78 @@ def test_report_takes_its_title_from_the_sweep_settings(tmp_path):
     assert write_report(tmp_path).read_text().startswith("# RULER-4096, qwen2.5-0.5b, question-agnostic\n")
     (tmp_path / "sweep.json").unlink()
     assert write_report(tmp_path).read_text().startswith("# Sweep results\n")
+
+
+def test_a_folder_with_rows_but_no_settings_is_not_resumed(tiny_tokenizer, tmp_path):
+    """Rows answered under settings nobody recorded (a folder of before sweep.json) cannot be checked: refused."""
+    model, samples = _setup(tiny_tokenizer)
+    kwargs = dict(budgets=[Budget(0.5)], regime="agnostic", out_dir=tmp_path, max_new_tokens=lambda s: 2)
+    settings = {"benchmark": "ruler", "model": "toy", "length": 256}
+    run_sweep(model, tiny_tokenizer, samples[:1], _score, methods=["snapkv"], settings=settings, **kwargs)
+    (tmp_path / "sweep.json").unlink()
+    with pytest.raises(CriticalKVError, match=r"holds results but no sweep\.json"):
+        run_sweep(
+            model, tiny_tokenizer, samples, _score, methods=["snapkv"], settings={**settings, "length": 64}, **kwargs
+        )
+
+
+def test_a_count_of_one_entry_and_the_fraction_one_are_reported_apart(tmp_path):
+    """1 == 1.0 in Python: the report and the merge keyed both budgets as one."""
+    from criticalkv.eval.merge import merge_sweeps
+
+    rows = [Row("a", i, "agnostic", "full", 1.0, 100.0, "", 100, 1.0) for i in range(2)]
+    rows += [
+        Row("a", 0, "agnostic", "snapkv", 1, 40.0, "x", 100, 0.01),
+        Row("a", 1, "agnostic", "snapkv", 1.0, 10.0, "y", 100, 1.0),
+    ]
+    means = {(e["method"], e["budget"], type(e["budget"])): e["mean"] for e in summarise(rows)["rows"]}
+    assert means == {("full", 1.0, float): 100.0, ("snapkv", 1, int): 40.0, ("snapkv", 1.0, float): 10.0}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "results.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in rows))
+    assert merge_sweeps([tmp_path / "a"], tmp_path / "m") == 4
+
+
+def test_score_plot_puts_entry_counts_on_their_own_axis_and_the_title_names_the_dtype(tmp_path):
+    from criticalkv.eval.report import _plot_regime, sweep_title
+
+    rows = [Row("a", 0, "agnostic", "full", 1.0, 100.0, "", 100, 1.0)]
+    rows += [
+        Row("a", 0, "agnostic", m, b, 50.0, "", 100, 0.2) for m in ("snapkv", "critical-snapkv") for b in (0.2, 512)
+    ]
+    figure = _plot_regime(summarise(rows), "agnostic", tmp_path / "plot.png")
+    axes = figure.get_axes()
+    assert [ax.get_xlabel() for ax in axes] == [
+        "budget (fraction of the context kept)",
+        "budget (entries kept per KV head)",
+    ]
+    assert [sorted(x for line in ax.get_lines()[:-1] for x in line.get_xdata()) for ax in axes] == [
+        [0.2, 0.2],
+        [512, 512],
+    ]
+    settings = {"benchmark": "ruler", "model": "m/qwen", "length": 4096, "dtype": "float32"}
+    assert sweep_title(settings, {"aware"}) == "RULER-4096, qwen, float32, question-aware"
+
+
+def test_a_method_name_that_meant_another_configuration_is_not_resumed_or_merged(tiny_tokenizer, tmp_path):
+    """Rows record a method by its name: the folder records what the name meant (methods.json), so rows of a preset
+    whose defaults changed since do not average with the new ones under one name."""
+    from criticalkv.eval.merge import merge_sweeps
+    from criticalkv.methods import build_method
+
+    model, samples = _setup(tiny_tokenizer)
+    settings = {"benchmark": "ruler", "model": "toy", "length": 256}
+    kwargs = dict(budgets=[Budget(0.5)], regime="agnostic", max_new_tokens=lambda s: 2, settings=settings)
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_sweep(model, tiny_tokenizer, samples[:1], _score, methods=["snapkv"], out_dir=first, **kwargs)
+    assert json.loads((first / "methods.json").read_text()) == {"snapkv": repr(build_method("snapkv"))}
+    run_sweep(model, tiny_tokenizer, samples, _score, methods=["snapkv", "tova"], out_dir=first, **kwargs)  # resumes
+    assert set(json.loads((first / "methods.json").read_text())) == {"snapkv", "tova"}
+    run_sweep(model, tiny_tokenizer, samples[:1], _score, methods=["snapkv"], out_dir=second, **kwargs)
+    (second / "methods.json").write_text(json.dumps({"snapkv": "Method(scorer=SnapKVScorer(window=16))"}))
+    with pytest.raises(CriticalKVError, match=r"rows of snapkv made with another configuration"):
+        run_sweep(model, tiny_tokenizer, samples, _score, methods=["snapkv"], out_dir=second, **kwargs)
+    with pytest.raises(CriticalKVError, match=r"another configuration of snapkv"):
+        merge_sweeps([first, second], tmp_path / "merged")
+    (second / "methods.json").unlink()
+    merge_sweeps([first, second], tmp_path / "merged")
+    assert set(json.loads((tmp_path / "merged" / "methods.json").read_text())) == {"snapkv", "tova"}

@@ -7,7 +7,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from criticalkv.errors import CriticalKVError
-from criticalkv.eval.sweep import SETTINGS_FILE, Row, check_out_folder, load_rows, stored_settings
+from criticalkv.eval import method_record
+from criticalkv.eval.sweep import SETTINGS_FILE, Row, budget_id, check_out_folder, load_rows, stored_settings
 
 
 def merge_sweeps(folders: list[Path], out: Path, methods: list[str] | None = None) -> int:
@@ -15,18 +16,26 @@ def merge_sweeps(folders: list[Path], out: Path, methods: list[str] | None = Non
 
     ``methods``: keep only these methods' rows and the full cache's (the loss needs it); each must have rows.
 
-    The folders must hold sweeps with the same settings (their ``sweep.json``, where they have one: model, length,
-    seed, ...). A (regime, task, index, method, budget) answered in several folders is kept once, and only if every
-    folder gave the same answer: two answers that differ mean other settings or other code (or, for rows answered
-    with ``--batch-answers``, bfloat16 rounding), and the merge refuses them rather than choose.
+    The folders must hold sweeps with the same settings (their ``sweep.json``: model, length, seed, ...; folders
+    without one only among themselves) and the same configuration of each method name (``methods.json``). A
+    (regime, task, index, method, budget) answered in several folders is kept once, and only if every folder gave
+    the same answer: two answers that differ mean other settings or other code (or, for rows answered with
+    ``--batch-answers``, bfloat16 rounding), and the merge refuses them rather than choose.
 
     ``out`` must be a new or empty folder, or at least one without a sweep: the merge never overwrites results.
     """
     _check_out(folders, out)
     settings = {folder: stored for folder in folders if (stored := stored_settings(folder)) is not None}
+    unrecorded = [str(folder) for folder in folders if folder not in settings]
+    if settings and unrecorded:
+        raise CriticalKVError(
+            f"{', '.join(unrecorded)} record no {SETTINGS_FILE} (the sweep's settings), the other folders do: whether "
+            "their rows were answered under the same settings cannot be checked"
+        )
     if len({json.dumps(s, sort_keys=True) for s in settings.values()}) > 1:
         listed = "; ".join(f"{folder}: {s}" for folder, s in settings.items())
         raise CriticalKVError(f"the folders hold sweeps with other settings ({listed})")
+    configurations = method_record.merged(folders)  # a method name meaning two configurations is refused
     rows: dict[tuple, tuple[Row, Path]] = {}
     for folder in folders:
         path = folder / "results.jsonl"
@@ -35,7 +44,7 @@ def merge_sweeps(folders: list[Path], out: Path, methods: list[str] | None = Non
         for row in load_rows(path):
             if methods is not None and row.method not in methods and row.method != "full":
                 continue
-            key = (row.regime, row.task, row.index, row.method, float(row.budget))
+            key = (row.regime, row.task, row.index, row.method, budget_id(row.budget))
             if key not in rows:
                 rows[key] = (row, folder)
             elif rows[key][0].prediction != row.prediction:
@@ -51,6 +60,8 @@ def merge_sweeps(folders: list[Path], out: Path, methods: list[str] | None = Non
     (out / "results.jsonl").write_text("".join(json.dumps(asdict(row)) + "\n" for row, _ in rows.values()))
     if settings:
         (out / SETTINGS_FILE).write_text(json.dumps(next(iter(settings.values())), indent=2) + "\n")
+    if configurations:
+        method_record.record(out, configurations)
     return len(rows)
 
 

@@ -11,7 +11,7 @@ from statistics import mean
 from matplotlib.figure import Figure
 
 from criticalkv.errors import CriticalKVError
-from criticalkv.eval.sweep import Row, load_rows, stored_settings
+from criticalkv.eval.sweep import Row, budget_id, is_count, load_rows, stored_settings
 from criticalkv.palette import distinct_colours
 
 
@@ -24,9 +24,10 @@ def summarise(rows: list[Row]) -> dict:
     A sample answered twice by one pair (folders that resumed runs appended to before the sweep answered only
     missing pairs) counts once; two different scores for it raise ``CriticalKVError``.
     """
-    answered: dict[tuple, dict[tuple[str, int], float]] = defaultdict(dict)  # (regime, method, budget) -> scores
+    # (regime, method, budget) -> scores; a budget keyed with its kind: a count of 1 entry is not the fraction 1.0
+    answered: dict[tuple, dict[tuple[str, int], float]] = defaultdict(dict)
     for r in rows:
-        if answered[(r.regime, r.method, r.budget)].setdefault((r.task, r.index), r.score) != r.score:
+        if answered[(r.regime, r.method, budget_id(r.budget))].setdefault((r.task, r.index), r.score) != r.score:
             raise CriticalKVError(
                 f"{r.task} sample {r.index} is scored twice for {r.method} at {r.budget} ({r.regime}), differently:"
                 " the folder mixes runs of other settings or code"
@@ -39,8 +40,8 @@ def summarise(rows: list[Row]) -> dict:
     table: dict[str, dict] = {}
     for regime, method, budget, task in sorted(by_key, key=str):
         entry = table.setdefault(
-            f"{regime}|{method}|{budget}",
-            {"regime": regime, "method": method, "budget": budget, "tasks": {}, "task_samples": {}, "samples": 0},
+            f"{regime}|{method}|{budget[1]}",
+            {"regime": regime, "method": method, "budget": budget[1], "tasks": {}, "task_samples": {}, "samples": 0},
         )
         scores = by_key[(regime, method, budget, task)]
         entry["tasks"][task] = mean(scores)
@@ -54,8 +55,8 @@ def summarise(rows: list[Row]) -> dict:
             None
             if full is None
             else _mean_over_tasks(
-                answered[(full["regime"], "full", full["budget"])],
-                answered[(entry["regime"], entry["method"], entry["budget"])],
+                answered[(full["regime"], "full", budget_id(full["budget"]))],
+                answered[(entry["regime"], entry["method"], budget_id(entry["budget"]))],
             )
         )
         entry["loss"] = None if not reference else (reference - entry["mean"]) / reference
@@ -85,8 +86,8 @@ def _order(entry: dict) -> tuple:
 
 
 def sweep_title(settings: dict | None, regimes: set[str]) -> str:
-    """A report's title from a sweep folder's settings (``sweep.json``): "RULER-4096, qwen2.5-0.5b, question-aware",
-    "LongBench (max length 3500), ..."."""
+    """A report's title from a sweep folder's settings (``sweep.json``): "RULER-4096, qwen2.5-0.5b, bfloat16,
+    question-aware", "LongBench (max length 3500), ..." (the dtype where the folder records one)."""
     if not settings:
         return "Sweep results"
     name = Path(str(settings.get("model", ""))).name
@@ -96,7 +97,9 @@ def sweep_title(settings: dict | None, regimes: set[str]) -> str:
         "longbench": f"LongBench (max length {settings.get('max_length')})",
     }
     head = heads.get(benchmark, str(benchmark))
-    parts = [head, name] + ([f"question-{next(iter(regimes))}"] if len(regimes) == 1 else [])
+    dtype = settings.get("dtype")
+    parts = [head, name, "" if dtype in (None, "auto") else str(dtype)]
+    parts += [f"question-{next(iter(regimes))}"] if len(regimes) == 1 else []
     return ", ".join(p for p in parts if p)
 
 
@@ -160,29 +163,44 @@ def write_report(results_dir: Path, title: str = "") -> Path:
     return path
 
 
-def _plot_regime(summary: dict, regime: str, path: Path) -> None:
+def _plot_regime(summary: dict, regime: str, path: Path) -> Figure:
+    """Mean score against budget, one line per method: fractions and entry counts on axes of their own."""
     rows = [e for e in summary["rows"] if e["regime"] == regime]
     full = next((e["mean"] for e in rows if e["method"] == "full"), None)
-    fig = Figure(figsize=(8.4, 4.2))
-    ax = fig.subplots()
-    methods = sorted({e["method"] for e in rows if e["method"] != "full"}, key=lambda m: (_base(m), m))
+    compressed = [e for e in rows if e["method"] != "full"]
+    kinds = sorted({is_count(e["budget"]) for e in compressed}) or [False]  # fractions first
+    fig = Figure(figsize=(8.4 if len(kinds) == 1 else 12.0, 4.2))
+    axes = fig.subplots(1, len(kinds), squeeze=False)[0]
+    methods = sorted({e["method"] for e in compressed}, key=lambda m: (_base(m), m))
     bases = list(dict.fromkeys(_base(m) for m in methods))  # a method and its CriticalKV version share a colour
     colours = distinct_colours(len(bases))
-    for method in methods:
-        points = sorted((float(e["budget"]), e["mean"]) for e in rows if e["method"] == method)
-        style = "-" if method.startswith("critical-") else "--"
-        color = colours[bases.index(_base(method))]
-        ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", color=color, label=method)
-    if full is not None:
-        ax.axhline(full, color="black", linewidth=1, label="full cache")
-    ax.set_xlabel("budget (fraction of the context kept)")
-    ax.set_ylabel("mean score")
-    ax.set_title(f"question-{regime}")
-    ax.set_ylim(0, 100)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    for ax, counts in zip(axes, kinds, strict=True):
+        for method in methods:
+            points = sorted(
+                (e["budget"], e["mean"])
+                for e in compressed
+                if e["method"] == method and is_count(e["budget"]) == counts
+            )
+            if not points:
+                continue
+            style = "-" if method.startswith("critical-") else "--"
+            color = colours[bases.index(_base(method))]
+            ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", color=color, label=method)
+        if full is not None:
+            ax.axhline(full, color="black", linewidth=1, label="full cache")
+        ax.set_xlabel("budget (entries kept per KV head)" if counts else "budget (fraction of the context kept)")
+        ax.set_ylabel("mean score")
+        ax.set_title(f"question-{regime}")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+    handles: dict = {}  # every axis's lines, once each: a method may have budgets of one kind only
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    axes[-1].legend(handles.values(), handles.keys(), fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return fig
 
 
 def _base(method: str) -> str:

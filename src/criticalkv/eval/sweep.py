@@ -22,8 +22,8 @@ from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
 from criticalkv.distributed.layout import ParallelLayout
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
+from criticalkv.eval import method_record
 from criticalkv.eval.needle import encode_prompt
-from criticalkv.methods import build_method
 from criticalkv.progress import step_progress
 from criticalkv.runtime.session import ContextSession
 from criticalkv.runtime.shared_prefill import SharedPrefill
@@ -80,6 +80,16 @@ class Row:
     batched: bool = False  # answered as a row of a batched decode (``batch_answers``), not alone
 
 
+def is_count(budget: float | int) -> bool:
+    """Whether a row's budget counts entries per KV head (an int in results.jsonl) rather than a fraction (a float)."""
+    return isinstance(budget, int)
+
+
+def budget_id(budget: float | int) -> tuple[bool, float | int]:
+    """A row's budget as a key: a count apart from a fraction (the count 1 is not the fraction 1.0, though 1 == 1.0)."""
+    return is_count(budget), budget
+
+
 def pair_label(method: str, budget: Budget) -> str:
     return "full" if method == "full" else f"{method}@{budget.value}"
 
@@ -126,8 +136,7 @@ def run_sweep(
     """
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
-    for method in methods:
-        build_method(method)  # unknown names fail before any work
+    described = method_record.describe(methods)  # each built: unknown names fail before any work
     if batch_answers and not CompressedCache(model.config).stackable():
         raise UnsupportedModelError(
             "--batch-answers needs every attention layer compressible; this model has sliding-window layers, "
@@ -139,7 +148,10 @@ def run_sweep(
         repeated = sorted({label for label in labels if labels.count(label) > 1})
         raise CriticalKVError(f"(method, budget) pairs given twice: {', '.join(repeated)}")
     layout = ParallelLayout.of(model)  # under torchrun every rank answers every sample; rank 0 writes
-    problem = (_out_folder_problem(out_dir) or _settings_conflict(out_dir, settings)) if layout.is_main else None
+    problem = None
+    if layout.is_main:
+        problem = _out_folder_problem(out_dir) or _settings_conflict(out_dir, settings)
+        problem = problem or method_record.conflict(out_dir, described)
     conflict = layout.from_main(problem)
     if conflict:
         raise CriticalKVError(conflict)
@@ -177,6 +189,8 @@ def run_sweep(
             if unrecorded is not None:  # with the first row: a run that fails before leaves no settings
                 _record_settings(out_dir, unrecorded)
                 unrecorded = None
+            if layout.is_main and not rows:  # what each method name means, with this run's first rows
+                method_record.record(out_dir, described)
             for row in sample_rows:
                 sink.write(json.dumps(asdict(row)) + "\n")
             sink.flush()
@@ -287,13 +301,21 @@ def _out_folder_problem(path: Path) -> str | None:
 def _settings_conflict(out_dir: Path, settings: dict | None) -> str | None:
     """Why the folder's ``sweep.json`` forbids resuming with ``settings``; None when it allows it.
 
-    A folder without ``sweep.json`` takes the settings of its first run that writes a row (``_record_settings``).
+    A folder without ``sweep.json`` takes the settings of its first run that writes a row (``_record_settings``),
+    unless it holds rows already: those were answered under settings nobody recorded (a folder of before
+    ``sweep.json``, or one whose file was removed), which cannot be checked against these.
     A setting recorded on one side only (an option left at the default that records nothing) conflicts too.
     """
     if settings is None:
         return None
     settings = json.loads(json.dumps(settings))  # as stored: tuples become lists
     stored = stored_settings(out_dir)
+    results = out_dir / "results.jsonl"
+    if stored is None and results.is_file() and load_rows(results):
+        return (
+            f"{out_dir} holds results but no {SETTINGS_FILE}: under which settings its rows were answered is not "
+            "recorded, so they cannot be checked against this run's; use another --out"
+        )
     if stored is not None:
         changed = {k: (stored.get(k), settings.get(k)) for k in stored | settings if stored.get(k) != settings.get(k)}
         if changed:
