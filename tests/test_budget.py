@@ -77,6 +77,7 @@ def test_kind_flags():
     assert str(Budget(0.2)) == "0.2"
     assert str(Budget(512)) == "512 entries per head"
     assert str(Budget(1)) == "1 entry per head"
+    assert str(Budget(1.0)) == "1.0" and str(Budget(1 - 0.8)) == "0.2"  # not "1", which reads as one entry
 
 
 def test_entries_for_fraction_floors():

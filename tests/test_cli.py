@@ -63,6 +63,7 @@ def test_an_out_that_is_a_file_is_refused_before_loading(no_model, tmp_path):
     (tmp_path / "afile").write_text("")
     for command in (["eval", "ruler"], ["eval", "needle"]):
         _refused([*command, "--out", str(tmp_path / "afile")], "is a file, not a folder")
+    _refused(["perturbation", "--samples", "1", "--out", str(tmp_path / "afile" / "p")], "cannot create --out")
 
 
 def test_perturbation_from_json_refuses_another_file(tmp_path):
@@ -121,6 +122,9 @@ def test_run_json_folder_created_before_loading(tmp_path, monkeypatch):
         (["eval", "ruler", "--budgets", " "], "--budgets needs at least one budget"),
         (["eval", "ruler", "--length", "0"], "--length must be >= 1, got 0"),
         (["eval", "ruler", "--tasks", "vt,niah_single_1,vt"], "--tasks names vt more than once"),
+        (["run", "--method", "snapkv,tova,snapkv"], "--method (--methods) names snapkv more than once"),
+        (["perturbation", "--samples", "0"], "--samples 0 measures nothing without --exhaustive-check"),
+        (["calibrate-heads", "--lengths", "512,0"], "--lengths must be >= 1, got 0"),
         (["eval", "longbench", ".", "--datasets", "qasper,qasper"], "--datasets names qasper more than once"),
         (["eval", "ruler", "--budgets", "0.2,512,0.2"], "--budgets names 0.2 more than once"),
         (["eval", "needle", "--depths", "0,1.5"], "needle depths are fractions in [0, 1], got 1.5"),
@@ -194,6 +198,22 @@ def test_context_longer_than_the_model_refused_before_its_weights_load(short_mod
     _refused(
         ["perturbation", *model, "--length", "200", "--samples", "1", "--out", str(tmp_path / "p")], "--length 200"
     )
+    heads = ["calibrate-heads", *model, "--lengths", "64,200", "--out", str(tmp_path / "profile.json")]
+    _refused(heads, "--lengths 200 exceeds the model's maximum of 128 positions")
+
+
+def test_run_asks_the_users_own_questions_about_the_needle_prompt(tiny_tokenizer, tmp_path, no_model):
+    """Questions of one's own on the generated haystack are asked as typed, with no expected answer (they were
+    answered after the needle's answer prefix, and marked found when the needle came out); --seed, like
+    --context-tokens and --depth, shapes that haystack only."""
+    from criticalkv.cli import _document
+
+    context, asked = _document(tiny_tokenizer, None, ["Who wrote the essays?"], 300, 0.5, 0)
+    assert asked == [("Who wrote the essays?", None, "")] and context
+    _, (needle,) = _document(tiny_tokenizer, None, [], 300, 0.5, 0)
+    assert needle[1] is not None and needle[1] in context and needle[2]  # the needle's question, answer and prefix
+    (tmp_path / "doc.txt").write_text("A text.")
+    _refused(["run", "--context-file", str(tmp_path / "doc.txt"), "--question", "Q?", "--seed", "3"], "--seed")
 
 
 def test_eval_mode_and_its_older_spelling():

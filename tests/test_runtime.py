@@ -539,6 +539,15 @@ def test_forcing_flash_on_soft_capped_or_sink_attention_is_refused_before_any_fo
         ContextSession(_model(family), "snapkv", budget=0.3)
 
 
+def test_forcing_flash_where_it_cannot_run_is_refused_before_any_forward(monkeypatch):
+    """A CPU model in float32 (the CLI ran the full cache's prefill and answer before a compressed forward refused)."""
+    monkeypatch.setenv("CRITICALKV_ATTENTION", "flash")
+    refused = r"flash cannot run on this model: the model is on cpu.*float32"
+    with pytest.raises(UnsupportedModelError, match=refused), criticalkv.compress(_model("llama"), "snapkv", 0.3):
+        pass
+    assert _model("llama").config._attn_implementation == "sdpa"  # nothing left installed
+
+
 def test_measured_selectors_refuse_sinks_and_take_soft_caps():
     """The measured perturbation renormalises over the kept entries without the sinks' share: gpt-oss is refused
     before any forward; Gemma 2's soft cap only changes the logits, which the window's attention applies."""
@@ -1123,9 +1132,12 @@ def test_a_question_that_does_not_continue_the_context_is_refused(method):
     context = _ids(30, seed=46, b=2)
     with pytest.raises(CriticalKVError, match="does not match"):
         session.prefill(context, torch.ones(1, 30, dtype=torch.long))  # was broadcast over the batch
-    for wrong in (context[0], context.float()):
+    for wrong in (context[0], context.float(), context.tolist()):
         with pytest.raises(CriticalKVError, match=r"token ids \(b, t\)"):
             session.prefill(wrong)
+    for wrong in (question[0], question.tolist()):  # one row without its batch axis: an IndexError before
+        with pytest.raises(CriticalKVError, match=r"question_ids must be a tensor of token ids \(b, q\), got"):
+            session.ask(wrong, 2)
 
 
 def test_a_prefill_that_raised_leaves_nothing_for_the_next():

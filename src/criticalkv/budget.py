@@ -100,6 +100,7 @@ class Budget:
         return torch.minimum(n, lengths)
 
     def __str__(self) -> str:
-        if self.is_fraction:
-            return f"{self.value:g}"
+        if self.is_fraction:  # "0.2"; "1.0", not "1", which reads as the count of one entry
+            text = f"{self.value:g}"
+            return text if "." in text or "e" in text else f"{text}.0"
         return f"{self.value} {'entry' if self.value == 1 else 'entries'} per head"

@@ -117,14 +117,17 @@ def _writable(path: Path) -> None:
 
 
 def _document(tokenizer, context_file: Path | None, questions: list[str], context_tokens: int, depth: float, seed: int):
-    """(context, [(question, expected answer or None, answer prefix)])."""
+    """(context, [(question, expected answer or None, answer prefix)]): the needle's question with its answer and
+    answer prefix, or the user's questions as asked, with no expected answer (the needle's prefix would answer the
+    needle's question instead)."""
     if context_file is not None:
         return context_file.read_text(), [(q, None, "") for q in questions]
     from criticalkv.eval.needle import build_needle_sample
 
     sample = build_needle_sample(tokenizer, context_tokens, depth=depth, seed=seed)
-    asked = questions or [sample.question]
-    return sample.context, [(q, sample.answer, sample.answer_prefix) for q in asked]
+    if questions:
+        return sample.context, [(q, None, "") for q in questions]
+    return sample.context, [(sample.question, sample.answer, sample.answer_prefix)]
 
 
 NEEDLE_TOKENS, NEEDLE_DEPTH = 4096, 0.5  # run's generated needle prompt, without --context-file
@@ -152,7 +155,9 @@ def run(
     depth: Annotated[
         float | None, typer.Option(help="Needle depth in [0, 1] (default 0.5; not with --context-file).")
     ] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the needle prompt.")] = 0,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed of the needle prompt (default 0; not with --context-file).")
+    ] = (None),
     max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per answer.")] = 24,
     dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
@@ -203,6 +208,9 @@ def _run(
     named = [m.strip() for m in method.split(",") if m.strip()]
     if not named:
         raise CriticalKVError("--method (--methods) needs at least one preset ('full' alone for the full cache)")
+    repeated = sorted({m for m in named if named.count(m) > 1})
+    if repeated:
+        raise CriticalKVError(f"--method (--methods) names {', '.join(repeated)} more than once")
     methods_ = ["full"] + [m for m in named if m != "full"]
     options = _parse_options(option)
     parsed_budget = Budget.parse(budget)
@@ -213,8 +221,11 @@ def _run(
         raise CriticalKVError(f"--context-file {context_file} is not a file")
     if context_file is not None and not questions:
         raise CriticalKVError("--context-file needs at least one --question")
-    if context_file is not None and (context_tokens is not None or depth is not None):
-        raise CriticalKVError("--context-tokens and --depth shape the generated needle prompt, not a --context-file")
+    if context_file is not None and (context_tokens is not None or depth is not None or seed is not None):
+        raise CriticalKVError(
+            "--context-tokens, --depth and --seed shape the generated needle prompt, not a --context-file"
+        )
+    seed = 0 if seed is None else seed
     context_tokens = NEEDLE_TOKENS if context_tokens is None else context_tokens
     depth = NEEDLE_DEPTH if depth is None else depth
     if context_file is None and not 0.0 <= depth <= 1.0:  # the needle's settings, checked before loading the model
@@ -352,6 +363,10 @@ def calibrate_heads(
 
     try:
         sizes = tuple(parse_numbers(lengths, int, "--lengths"))
+        if not sizes:
+            raise CriticalKVError("--lengths needs at least one length")
+        for size in sizes:
+            at_least(size, 1, "--lengths")
         at_least(samples, 1, "--samples")  # before minutes of model loading and calibration
         if out is not None:
             _writable(out)

@@ -342,11 +342,14 @@ def _sample_hits(
     return torch.stack(rates[0]), torch.stack(rates[1])
 
 
+CALIBRATION_LENGTHS = (1024, 2048)  # calibrate_head_profile's context lengths by default
+
+
 def calibrate_head_profile(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     samples: int = 8,
-    lengths: Sequence[int] = (1024, 2048),
+    lengths: Sequence[int] = CALIBRATION_LENGTHS,
     seed: int = 0,
     progress: bool = True,
     floor: float = 0.01,
@@ -455,9 +458,13 @@ def calibrate_preset(
     ``out`` defaults to ``<cache root>/head_profiles/<name>.json``, where ``load_profile`` finds it, or
     ``<name>-<8 hex digits>.json`` when that file holds the profile of another model of the same name.
     """
+    from criticalkv.models.families import check_length
     from criticalkv.models.presets import load_model
 
-    loaded, tokenizer = load_model(model, dtype=dtype, device=device)
+    longest = max(options.get("lengths", CALIBRATION_LENGTHS), default=0)
+    loaded, tokenizer = load_model(  # a length beyond the model's positions is refused before its weights load
+        model, dtype=dtype, device=device, check_config=lambda config: check_length(config, longest, "--lengths")
+    )
     label = model_label(loaded.config)  # the name load_profile looks for on this model
     profile = calibrate_head_profile(loaded, tokenizer, name=label, **options)
     path = Path(out) if out is not None else _own_file(label, model_source(loaded.config))

@@ -367,6 +367,8 @@ def run_analysis(
         raise CriticalKVError(f"--mode must be one of {list(MODES)}, got {mode!r}")
     if n < 0 or length < 1 or generate < 0:
         raise CriticalKVError("--samples, --length and --generate must be >= 0, >= 1 and >= 0")
+    if n == 0 and not exhaustive_check:
+        raise CriticalKVError("--samples 0 measures nothing without --exhaustive-check (it would only overwrite --out)")
     if exhaustive_check and not (
         exhaustive_trials >= 1 and 1 <= exhaustive_budget <= exhaustive_entries <= EXHAUSTIVE_MAX_ENTRIES
     ):
@@ -380,7 +382,10 @@ def run_analysis(
         raise CriticalKVError(f"--window-queries must be >= 0 (0: off), got {window_queries}")
     if prompts not in ("essays", "essay-windows") and not Path(prompts).expanduser().exists():
         raise CriticalKVError(f"--prompts must be 'essays', 'essay-windows' or a text file / folder, got {prompts!r}")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a file in the way, no permission
+        raise CriticalKVError(f"cannot create --out {out}: {error}") from None
     meta: dict = {
         "command": " ".join(sys.argv),
         "methods": names,

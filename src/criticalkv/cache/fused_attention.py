@@ -305,22 +305,28 @@ def is_plain_causal(tail_mask: torch.Tensor) -> bool:
     return bool(torch.equal(tail_mask, causal.expand_as(tail_mask)))
 
 
-def flash_reasons(query: torch.Tensor, tail_mask: torch.Tensor) -> list[str]:
-    """Why the flash path cannot run on these inputs (empty: it can)."""
+def flash_setup_reasons(device: torch.device, dtype: torch.dtype, head_size: int) -> list[str]:
+    """Why the flash path cannot run for a model on ``device`` in ``dtype`` with heads of ``head_size`` (empty: it
+    can, but for each call's mask): checked when a forced flash path is installed, and by every call."""
     reasons = []
-    if not query.is_cuda:
-        reasons.append(f"the query is on {query.device.type}, flash-attn needs CUDA")
-    if query.dtype not in _FLASH_DTYPES:
-        reasons.append(f"dtype {query.dtype} (flash-attn takes float16 or bfloat16)")
-    d = query.shape[-1]
-    if d > _FLASH_MAX_HEAD_DIM or d % 8:
-        reasons.append(f"head size {d} (flash-attn takes multiples of 8 up to {_FLASH_MAX_HEAD_DIM})")
-    if not reasons:  # checked last: importing flash_attn and comparing the mask cost more
+    if device.type != "cuda":
+        reasons.append(f"the model is on {device.type}, flash-attn needs CUDA")
+    if dtype not in _FLASH_DTYPES:
+        reasons.append(f"dtype {dtype} (flash-attn takes float16 or bfloat16)")
+    if head_size > _FLASH_MAX_HEAD_DIM or head_size % 8:
+        reasons.append(f"head size {head_size} (flash-attn takes multiples of 8 up to {_FLASH_MAX_HEAD_DIM})")
+    if not reasons:  # checked last: importing flash_attn costs more
         kernel, why = _flash_kernel()
         if kernel is None:
             reasons.append(why)
-        elif not is_plain_causal(tail_mask):
-            reasons.append("the tail mask is not plain causal (padded tail entries)")
+    return reasons
+
+
+def flash_reasons(query: torch.Tensor, tail_mask: torch.Tensor) -> list[str]:
+    """Why the flash path cannot run on these inputs (empty: it can)."""
+    reasons = flash_setup_reasons(query.device, query.dtype, query.shape[-1])
+    if not reasons and not is_plain_causal(tail_mask):  # checked last: comparing the mask costs more
+        reasons.append("the tail mask is not plain causal (padded tail entries)")
     return reasons
 
 

@@ -28,10 +28,11 @@ from transformers.cache_utils import Cache
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer, attention
 from criticalkv.cache.compressed_cache import release_views
-from criticalkv.cache.fused_attention import ATTENTION_ENV_VAR, requested_path
+from criticalkv.cache.fused_attention import ATTENTION_ENV_VAR, flash_setup_reasons, requested_path
 from criticalkv.distributed.layout import check_model
 from criticalkv.errors import CacheStateError, PaddingError, UnsupportedModelError
 from criticalkv.logits import logit_changes
+from criticalkv.models import head_dim
 from criticalkv.models.families import attention_modules, check_supported, layer_types, text_config
 from criticalkv.runtime.method import Method
 from criticalkv.scorers import LayerView
@@ -108,11 +109,17 @@ def check_methods_config(config: PretrainedConfig, methods: Sequence[Method | No
 
 def check_compressible(model: PreTrainedModel, method: Method | None) -> None:
     """Refuse, before any forward, a model ``method`` cannot compress: what ``check_methods_config`` refuses of its
-    config, and what the optional ``check_model(model)`` of the scorer, allocator or selector refuses
+    config, a forced flash-attn path (``$CRITICALKV_ATTENTION=flash``) the model's device, dtype or heads cannot
+    take, and what the optional ``check_model(model)`` of the scorer, allocator or selector refuses
     (reconstruction: its tokenizer)."""
     check_methods_config(model.config, [method])
     if method is None:
         return
+    if requested_path() == "flash":
+        weight = next(model.parameters())
+        reasons = flash_setup_reasons(weight.device, weight.dtype, head_dim(model.config))
+        if reasons:
+            raise UnsupportedModelError(f"{ATTENTION_ENV_VAR}=flash cannot run on this model: {'; '.join(reasons)}")
     for piece in (method.scorer, method.allocator, method.selector):
         check_model = getattr(piece, "check_model", None)
         if check_model is not None:

@@ -37,6 +37,13 @@ class Generation:
         return sum(self.decode_seconds) / len(self.decode_seconds) if self.decode_seconds else float("nan")
 
 
+def _check_ids(ids: object, name: str, shape: str) -> None:
+    """Refuse anything but a 2-D integer tensor of token ids (a list, or one row without its batch axis)."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+        got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise CriticalKVError(f"{name} must be a tensor of token ids {shape}, got {got}")
+
+
 def _check_question(question_ids: torch.Tensor, question_mask: torch.Tensor, rows: int) -> None:
     """Refuse a question that does not continue the context's rows: ids (b, q) with the context's b, a mask of the
     same shape, left padding and a real last token in every row (the answer starts from its logits)."""
@@ -146,8 +153,7 @@ class ContextSession:
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Prefill (and compress) the context: input_ids (b, t), left-padded if rows differ, with their
         ``attention_mask`` (b, t) (None: every token is real). Returns the last position's logits (b, vocab)."""
-        if input_ids.dim() != 2 or input_ids.is_floating_point():
-            raise CriticalKVError(f"input_ids must be token ids (b, t), got {input_ids.dtype} {tuple(input_ids.shape)}")
+        _check_ids(input_ids, "input_ids", "(b, t)")
         if input_ids.shape[-1] == 0:
             raise CriticalKVError("the context is empty: prefill needs at least one token")
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
@@ -188,6 +194,8 @@ class ContextSession:
         """
         if self.cache is None:
             raise CacheStateError("call prefill(context) first")
+        if question_ids is not None:
+            _check_ids(question_ids, "question_ids", "(b, q)")
         start = time.perf_counter()
         if question_ids is None or question_ids.shape[1] == 0:
             logits = self.last_logits
