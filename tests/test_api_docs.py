@@ -104,3 +104,11 @@ def test_each_signature_is_the_codes(heading: str) -> None:
     if block is None:
         pytest.fail(f"{heading} has no signature block; the code's: {rendered_signature(short, obj)}")
     assert block.splitlines()[0] == rendered_signature(short, obj)
+
+
+def test_method_names_come_in_the_order_of_the_readme_table():
+    """docs/api.md says ``method_names()`` (what ``./ckv methods`` prints) is the README's table of presets."""
+    from criticalkv import method_names
+
+    readme = (API.parent.parent / "README.md").read_text()
+    assert re.findall(r"(?m)^\| `([a-z-]+)` \|", readme) == method_names()

@@ -474,18 +474,21 @@ def test_eval_needle_draws_a_heatmap_per_method_and_budget(tiny_tokenizer, tmp_p
     )  # fmt: skip
     out = tmp_path / "needle"
     args = ["eval", "needle", "--model", str(folder), "--device", "cpu", "--methods", "snapkv:window=4"]
-    args += ["--budgets", "0.25,0.5", "--lengths", "200", "--depths", "0,1", "--out", str(out)]
+    args += ["--budgets", "0.25,0.5", "--lengths", "200,64", "--depths", "0,1", "--out", str(out)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, (result.exception, result.output)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert sorted((r["method"], r["budget"]) for r in rows if r["method"] != "full") == [
-        ("snapkv:window=4", 0.25), ("snapkv:window=4", 0.25), ("snapkv:window=4", 0.5), ("snapkv:window=4", 0.5)
-    ]  # fmt: skip
+    assert sorted((r["method"], r["budget"]) for r in rows if r["method"] != "full") == sorted(
+        [("snapkv:window=4", 0.25), ("snapkv:window=4", 0.5)] * 4
+    )
     heatmaps = json.loads((out / "heatmaps.json").read_text())
     assert set(heatmaps) == {"full", "snapkv:window=4@0.25", "snapkv:window=4@0.5"}
-    assert all(set(cells) == {"200@0.0", "200@1.0"} for cells in heatmaps.values())
+    assert all(set(cells) == {"64@0.0", "64@1.0", "200@0.0", "200@1.0"} for cells in heatmaps.values())
+    report = (out / "report.md").read_text()
+    assert "| needle-64 | needle-200 |" in report  # lengths in order, not as text
     for name in ("full", "snapkv_window_4_0.25", "snapkv_window_4_0.5"):  # file names without ':', '=' or '@'
         assert (out / f"heatmap_{name}.png").stat().st_size > 1000, name
+        assert f"(heatmap_{name}.png)" in report  # shown in the report
 
 
 def test_models_lists_the_presets_and_every_supported_family():

@@ -91,32 +91,6 @@ PRESETS: dict[str, Preset] = {
         _preset(TOVAScorer, TopKSelector),
     ),
     "critical-tova": Preset("CriticalKV over TOVA's scores", _preset(TOVAScorer, CriticalSelector)),
-    "reconstruct": Preset(
-        "KVzip scores (max attention from the model repeating the context, chunks of 2048), question-agnostic; "
-        "the same budget in every layer and head, top-k",
-        _preset(ReconstructionScorer, TopKSelector),
-    ),
-    "layer-reconstruct": Preset(
-        "KVzip as published (kvpress's default, layerwise=False): the reconstruction scores ranked over every layer "
-        "and head at once, sinks kept",
-        lambda: Method(ReconstructionScorer(), CrossLayerAllocator(), TopKSelector()),
-    ),
-    "critical-layer-reconstruct": Preset(
-        "KVzip's cross-layer budgets, then CriticalKV's two-stage selection per head",
-        lambda: Method(ReconstructionScorer(), CrossLayerAllocator(), CriticalSelector()),
-    ),
-    "critical-reconstruct": Preset(
-        "CriticalKV over the reconstruction scores: two-stage selection per head",
-        _preset(ReconstructionScorer, CriticalSelector),
-    ),
-    "ada-reconstruct": Preset(
-        "reconstruction scores, AdaKV head budgets (safeguard 0.2), top-k per head",
-        lambda: Method(ReconstructionScorer(), AdaKVAllocator(), TopKSelector()),
-    ),
-    "critical-ada-reconstruct": Preset(
-        "reconstruction scores, AdaKV head budgets, CriticalKV's two-stage selection per head",
-        lambda: Method(ReconstructionScorer(), AdaKVAllocator(), CriticalSelector()),
-    ),
     "defensive": Preset(
         "DefensiveKV: window max floored at the head mean, value shares across heads, cumulative-mass stage 1; "
         "one layer-wide contest sets head budgets",
@@ -131,6 +105,32 @@ PRESETS: dict[str, Preset] = {
         "Layer-DefensiveKV's allocation computed layer by layer: each layer compressed on arrival, earlier layers "
         "shrunk as later ones win entries (peak memory of a per-layer method)",
         lambda: Method(DefensiveScorer(), BoundedCrossLayerAllocator(), DefensiveSelector()),
+    ),
+    "reconstruct": Preset(
+        "KVzip scores (max attention from the model repeating the context, chunks of 2048), question-agnostic; "
+        "the same budget in every layer and head, top-k",
+        _preset(ReconstructionScorer, TopKSelector),
+    ),
+    "critical-reconstruct": Preset(
+        "CriticalKV over the reconstruction scores: two-stage selection per head",
+        _preset(ReconstructionScorer, CriticalSelector),
+    ),
+    "ada-reconstruct": Preset(
+        "reconstruction scores, AdaKV head budgets (safeguard 0.2), top-k per head",
+        lambda: Method(ReconstructionScorer(), AdaKVAllocator(), TopKSelector()),
+    ),
+    "critical-ada-reconstruct": Preset(
+        "reconstruction scores, AdaKV head budgets, CriticalKV's two-stage selection per head",
+        lambda: Method(ReconstructionScorer(), AdaKVAllocator(), CriticalSelector()),
+    ),
+    "layer-reconstruct": Preset(
+        "KVzip as published (kvpress's default, layerwise=False): the reconstruction scores ranked over every layer "
+        "and head at once, sinks kept",
+        lambda: Method(ReconstructionScorer(), CrossLayerAllocator(), TopKSelector()),
+    ),
+    "critical-layer-reconstruct": Preset(
+        "KVzip's cross-layer budgets, then CriticalKV's two-stage selection per head",
+        lambda: Method(ReconstructionScorer(), CrossLayerAllocator(), CriticalSelector()),
     ),
 }
 

@@ -16,7 +16,7 @@ from criticalkv.budget import Budget
 from criticalkv.distributed import launch
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.needle import encode_prompt
-from criticalkv.eval.report import write_report
+from criticalkv.eval.report import HEATMAP_PREFIX, write_report
 from criticalkv.eval.sweep import REGIMES, check_out_folder, load_rows, pair_label, run_sweep, stored_settings
 from criticalkv.methods import build_method
 from criticalkv.models.families import check_length
@@ -335,7 +335,7 @@ def needle(
         cell = cells[row.index]
         grids.setdefault(pair_label(row.method, Budget(row.budget)), {})[(cell.length, cell.depth)] = row.score
     for label, scores in grids.items():
-        path = folder / f"heatmap_{file_stem(label)}.png"  # the spec's ':', '=', '/' and the '@' as '_'
+        path = folder / f"{HEATMAP_PREFIX}{file_stem(label)}.png"  # the spec's ':', '=', '/' and the '@' as '_'
         plot_heatmap(scores, path, f"{label} · {Path(model).name} · question-{regime}")
         console.print(f"wrote {path}")
     (folder / "heatmaps.json").write_text(

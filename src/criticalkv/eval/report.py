@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
@@ -13,6 +14,8 @@ from matplotlib.figure import Figure
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.sweep import Row, budget_id, is_count, load_rows, stored_settings
 from criticalkv.palette import distinct_colours
+
+HEATMAP_PREFIX = "heatmap_"  # eval needle's score maps, one per (method, budget): heatmap_<label>.png
 
 
 def summarise(rows: list[Row]) -> dict:
@@ -36,7 +39,7 @@ def summarise(rows: list[Row]) -> dict:
     for (regime, method, budget), scores in answered.items():
         for (task, _), score in scores.items():
             by_key[(regime, method, budget, task)].append(score)
-    tasks = sorted({task for (_, _, _, task) in by_key})
+    tasks = sorted({task for (_, _, _, task) in by_key}, key=_natural)
     table: dict[str, dict] = {}
     for regime, method, budget, task in sorted(by_key, key=str):
         entry = table.setdefault(
@@ -61,6 +64,11 @@ def summarise(rows: list[Row]) -> dict:
         )
         entry["loss"] = None if not reference else (reference - entry["mean"]) / reference
     return {"tasks": tasks, "rows": sorted(table.values(), key=_order)}
+
+
+def _natural(name: str) -> list:
+    """Sort key of a task name with its numbers as numbers: needle-512 before needle-1024."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
 
 
 def _mean_over_tasks(full: dict[tuple[str, int], float], samples: dict[tuple[str, int], float]) -> float | None:
@@ -106,7 +114,8 @@ def sweep_title(settings: dict | None, regimes: set[str]) -> str:
 def write_report(results_dir: Path, title: str = "") -> Path:
     """Write report.md, summary.csv, summary.json and plots next to results.jsonl; return the report path.
 
-    Without ``title``, the folder's ``sweep.json`` names it (``sweep_title``)."""
+    Without ``title``, the folder's ``sweep.json`` names it (``sweep_title``). The needle's heatmaps in the folder
+    (``HEATMAP_PREFIX``) are shown after the tables."""
     summary = summarise(load_rows(results_dir / "results.jsonl"))
     tasks = summary["tasks"]
     (results_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -158,6 +167,9 @@ def write_report(results_dir: Path, title: str = "") -> Path:
         lines += [f"![score against budget, question-{regime}](score_vs_budget_{regime}.png)", ""]
         if _plot_loss(summary, regime, results_dir / f"loss_{regime}.png"):
             lines += [f"![compression loss, question-{regime}](loss_{regime}.png)", ""]
+    heatmaps = sorted(results_dir.glob(f"{HEATMAP_PREFIX}*.png"))
+    if heatmaps:
+        lines += ["## Needle heatmaps", ""] + [f"![{image.stem}]({image.name})\n" for image in heatmaps]
     path = results_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
