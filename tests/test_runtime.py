@@ -1227,6 +1227,20 @@ def test_a_kept_compressor_does_not_keep_the_cache_alive():
     assert cache() is None
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_the_padding_mask_of_a_prefill_is_not_kept_after_it(attn):
+    """The forward's (b, 1, t, t) mask (transformers builds one for a padded batch, and always under eager) was kept
+    alive inside the block through a view of its last row: 32 MiB for two rows of 4k tokens."""
+    model = _model("llama", attn)
+    ids = _ids(64, seed=51, b=2)
+    mask = torch.ones_like(ids)
+    mask[1, :10] = 0
+    with criticalkv.compress(model, "snapkv", budget=0.5, window=8) as compressor:
+        model(input_ids=ids, attention_mask=mask, use_cache=True)
+        valid = compressor.facts.valid
+        assert valid.untyped_storage().nbytes() == valid.numel() == 2 * 64  # its own (b, t) bools, no more
+
+
 def test_a_dropped_cache_is_freed_inside_the_block():
     """Inside ``compress(...)`` the compressor points at the cache a forward fills only while it runs, and weakly: a
     cache the caller drops between prefills is freed then, not when the next forward or the block's end replaces the

@@ -157,8 +157,9 @@ def prefill_view(
         return LayerView(module, query, keys, values, facts.valid, scaling, prefill=facts.shared)
     if attention_mask is None:
         valid = torch.ones(b, t, dtype=torch.bool, device=keys.device)
-    else:  # the last query sees every real key; padding columns are masked in its row
-        valid = attention.as_bool_mask(attention_mask)[:, 0, -1, :t]
+    else:  # the last query sees every real key; padding columns are masked in its row; a copy, not a view, which
+        # would keep the whole (b, 1, t, t) mask alive with the facts after the forward (b t^2 bytes: 32 MiB at 4k)
+        valid = attention.as_bool_mask(attention_mask)[:, 0, -1, :t].clone()
         require_left_padding(valid)
     if facts is None:
         return LayerView(module, query, keys, values, valid, scaling)
