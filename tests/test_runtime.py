@@ -11,6 +11,7 @@ import sys
 import warnings
 import weakref
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1135,6 +1136,12 @@ def test_a_question_that_does_not_continue_the_context_is_refused(method):
     for wrong in (context[0], context.float(), context.tolist()):
         with pytest.raises(CriticalKVError, match=r"token ids \(b, t\)"):
             session.prefill(wrong)
+    with pytest.raises(CriticalKVError, match="must be >= 0"):
+        session.ask(question, -1)
+    for wrong in ([5, None], "2", torch.tensor([5, 6])):  # raw torch errors before
+        with pytest.raises(CriticalKVError, match="eos_token_id must be a token id or a list of them"):
+            session.ask(question, 2, eos_token_id=wrong)
+    assert session.ask(question, 2, eos_token_id=np.int64(5)).tokens.shape[0] == 2  # numpy's ints are ids too
     for wrong in (question[0], question.tolist()):  # one row without its batch axis: an IndexError before
         with pytest.raises(CriticalKVError, match=r"question_ids must be a tensor of token ids \(b, q\), got"):
             session.ask(wrong, 2)
@@ -1349,6 +1356,35 @@ def test_generation_under_inference_mode_equals_no_grad():
         session = ContextSession(model, "critical-snapkv", budget=0.3, window=8)
         session.prefill(ids[:1])
         assert session.ask(_ids(4, seed=50), max_new_tokens=4).tokens.shape == (1, 4)
+
+
+def test_a_compiled_forward_compresses_as_the_plain_one():
+    """``torch.compile`` could not trace the value-norm screen's per-weight memo (a weak finalizer): critical-snapkv
+    failed with a guard error from inside torch."""
+    model = _model("llama")
+    ids = _ids(40, seed=52)
+    with criticalkv.compress(model, "critical-snapkv", budget=0.3, window=8):
+        tokens, logits = _generate(model, ids, n=2)
+    fresh = copy.deepcopy(model)  # weights the screen has derived nothing from yet: its memo is traced too
+    torch._dynamo.reset()
+    fresh.forward = torch.compile(fresh.forward, backend="eager")  # dynamo's tracing, without code generation
+    try:
+        with criticalkv.compress(fresh, "critical-snapkv", budget=0.3, window=8):
+            compiled = _generate(fresh, ids, n=2)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(compiled[0], tokens)
+    torch.testing.assert_close(compiled[1], logits, rtol=0, atol=0)
+
+
+def test_attention_dropout_in_train_mode_is_refused_by_compressed_layers():
+    """Compressed attention does not apply dropout: a model left in train mode decoded without it, silently."""
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**_COMMON, attention_dropout=0.5))
+    model.generation_config.pad_token_id = 0
+    model.train()
+    refused = r"attention dropout \(0.5\).*model.eval\(\)"
+    with pytest.raises(CriticalKVError, match=refused), criticalkv.compress(model, "snapkv", 0.5), torch.no_grad():
+        _generate(model, _ids(40, seed=53), n=2)
 
 
 def test_compressed_cache_continued_outside_the_block_is_right_or_refused():

@@ -191,6 +191,11 @@ def criticalkv_attention(
     if layer is not None:
         softcap, sinks = check_logit_inputs(module, kwargs)
     if layer is not None and layer.is_compressed:
+        if dropout:
+            raise CriticalKVError(
+                f"attention dropout ({dropout}) is on (the model is in train mode) and criticalkv's compressed "
+                "attention does not apply it: call model.eval() before generating"
+            )
         mask = layer.tail_mask(attention_mask, query.shape[2])
         out = compressed_attention(query, layer, key, value, mask, scaling, softcap=softcap, sinks=sinks)
         weights = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -42,6 +43,16 @@ def _check_ids(ids: object, name: str, shape: str) -> None:
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
         got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise CriticalKVError(f"{name} must be a tensor of token ids {shape}, got {got}")
+
+
+def _stop_tokens(eos_token_id: object) -> list[int]:
+    """The end-of-sequence ids as a list of ints, from None, one id or a list / tuple of ids (numpy or 0-d torch
+    integers too); ``CriticalKVError`` for anything else."""
+    many = eos_token_id if isinstance(eos_token_id, list | tuple) else [] if eos_token_id is None else [eos_token_id]
+    try:
+        return [operator.index(token) for token in many]
+    except TypeError:
+        raise CriticalKVError(f"eos_token_id must be a token id or a list of them, got {eos_token_id!r}") from None
 
 
 def _check_question(question_ids: torch.Tensor, question_mask: torch.Tensor, rows: int) -> None:
@@ -196,6 +207,11 @@ class ContextSession:
             raise CacheStateError("call prefill(context) first")
         if question_ids is not None:
             _check_ids(question_ids, "question_ids", "(b, q)")
+        if max_new_tokens < 0 or min_new_tokens < 0:
+            raise CriticalKVError(
+                f"max_new_tokens and min_new_tokens must be >= 0, got {max_new_tokens}, {min_new_tokens}"
+            )
+        stops = _stop_tokens(eos_token_id)
         start = time.perf_counter()
         if question_ids is None or question_ids.shape[1] == 0:
             logits = self.last_logits
@@ -205,9 +221,7 @@ class ContextSession:
             logits = self._forward(question_ids, torch.cat([self.mask, q_mask], dim=1))
         first = time.perf_counter() - start
         result = Generation(torch.empty(logits.shape[0], 0, dtype=torch.long, device=logits.device), first)
-        eos = torch.tensor(
-            [eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=logits.device
-        )
+        eos = torch.tensor(stops, dtype=torch.long, device=logits.device)
         done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
         full_mask = self.mask_with_pending
         for step in range(max_new_tokens):

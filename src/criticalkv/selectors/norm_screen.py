@@ -280,8 +280,9 @@ _DERIVED: dict[int, tuple[weakref.ref, tuple, dict]] = {}
 def _per_weight(weight: torch.Tensor, what: tuple, compute: Callable[[], object]):
     """``compute()``'s result for ``weight`` and ``what``, kept while the weight lives unchanged; computed again
     when it changes in place (its version) or is given other storage, dtype or device (``module.to``). An inference
-    tensor has no version to tell: computed every time."""
-    if weight.is_inference():
+    tensor has no version to tell, and ``torch.compile`` cannot trace the memo's bookkeeping (its weak finalizer):
+    computed every time then."""
+    if weight.is_inference() or torch.compiler.is_compiling():
         return compute()
     stamp = (weight._version, weight.data_ptr(), weight.dtype, weight.device)
     cached = _DERIVED.get(id(weight))
