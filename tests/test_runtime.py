@@ -748,6 +748,31 @@ def test_beam_search_equals_masked_reference(capture_decisions):
     assert torch.equal(out, ref)
 
 
+def test_a_second_turn_continues_the_compressed_cache_as_the_masked_reference(capture_decisions):
+    """Multi-turn chat: a second generate from the returned cache, with the first answer and a new turn appended,
+    reads the compressed context and every token after it, as the dense model with the evicted entries masked."""
+    model = _model("llama")
+    ids = _ids(40, seed=61)
+    with criticalkv.compress(model, "critical-snapkv", budget=0.3, window=8):
+        first = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        keep = _keep_by_layer(capture_decisions)  # the first turn's prefill only: the second is no prefill
+        turn = torch.cat([first.sequences, _ids(5, seed=62)], dim=1)
+        second = model.generate(
+            turn,
+            attention_mask=torch.ones_like(turn),
+            cache=first.past_key_values,
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    assert len(capture_decisions) == len(keep)
+    tokens, logits = _masked_reference(model, turn, None, keep, 40)
+    assert torch.equal(second.sequences[:, turn.shape[1] :], tokens)
+    torch.testing.assert_close(torch.stack(second.logits, dim=1).float(), logits, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3", "granite", *LATER_FAMILIES])
 def test_layer_view_is_the_layers_own_state(family, capture_decisions, monkeypatch):
     """Scorers see the layer's real head_dim, scaling and o_proj, and the keys/values the cache stored."""
