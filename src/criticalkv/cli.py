@@ -22,7 +22,7 @@ from criticalkv.distributed import launch
 from criticalkv.distributed.layout import ParallelLayout
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.commands import app as eval_app
-from criticalkv.eval.commands import at_least, parse_numbers, regime_of
+from criticalkv.eval.commands import at_least, parse_numbers, regime_of, split_items
 from criticalkv.methods import PRESETS, build_method, parse_option_value
 from criticalkv.models.families import SUPPORTED_FAMILIES, check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, list_presets, load_notes
@@ -205,12 +205,9 @@ def _run(
 ) -> None:
     regime_of(mode, question_aware=False)  # refuses a mode other than agnostic or aware, as eval's --mode
     at_least(max_new_tokens, 1, "--max-new-tokens")
-    named = [m.strip() for m in method.split(",") if m.strip()]
+    named = split_items(method, "--method (--methods)")
     if not named:
         raise CriticalKVError("--method (--methods) needs at least one preset ('full' alone for the full cache)")
-    repeated = sorted({m for m in named if named.count(m) > 1})
-    if repeated:
-        raise CriticalKVError(f"--method (--methods) names {', '.join(repeated)} more than once")
     methods_ = ["full"] + [m for m in named if m != "full"]
     options = _parse_options(option)
     parsed_budget = Budget.parse(budget)

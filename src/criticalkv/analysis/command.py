@@ -36,6 +36,7 @@ from criticalkv.analysis.perturbation import (
 from criticalkv.analysis.plots import file_stem, plot_hidden, plot_layers, plot_ratio_heatmap, plot_ratio_histogram
 from criticalkv.budget import Budget
 from criticalkv.errors import CriticalKVError
+from criticalkv.eval.commands import split_items
 from criticalkv.methods import build_method
 from criticalkv.models.families import check_length
 from criticalkv.models.presets import DEVICE_HELP, DTYPE_HELP
@@ -344,13 +345,11 @@ def run_analysis(
         return resummarise(from_json, pairs, plots, out)
     out = DEFAULT_OUT if out is None else out
     started = time.perf_counter()
-    names = [m.strip() for m in methods.split(",") if m.strip()]
+    names = split_items(methods, "--methods")
     if not names:
         raise CriticalKVError("--methods needs at least one method")
     if "full" in names:
         raise CriticalKVError("'full' is the reference every method is measured against; leave it out of --methods")
-    if len(set(names)) != len(names):
-        raise CriticalKVError(f"--methods lists a method twice: {names}")
     built = {name: build_method(name) for name in names}  # unknown names fail before any work
     for name, method in built.items():  # the analysis decides each layer from its own prefill view
         if not method.per_layer:

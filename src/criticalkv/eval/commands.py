@@ -59,7 +59,7 @@ def regime_of(mode: str | None, question_aware: bool) -> str:
     return "aware" if question_aware or mode == "aware" else "agnostic"
 
 
-def _split(text: str, option: str) -> list[str]:
+def split_items(text: str, option: str) -> list[str]:
     """The comma-separated items of ``option``, each once (a task named twice was answered and counted twice)."""
     items = [x.strip() for x in text.split(",") if x.strip()]
     repeated = sorted({x for x in items if items.count(x) > 1})
@@ -71,7 +71,7 @@ def _split(text: str, option: str) -> list[str]:
 def parse_numbers(text: str, cast: type, option: str) -> list:
     """The comma-separated numbers of ``option``, each read by ``cast`` (int or float)."""
     try:
-        return [cast(x) for x in _split(text, option)]
+        return [cast(x) for x in split_items(text, option)]
     except ValueError:
         raise CriticalKVError(f"{option} takes comma-separated {cast.__name__}s, got {text!r}") from None
 
@@ -90,7 +90,7 @@ def _capped(default: Callable[[Any], int], cap: int) -> Callable[[Any], int]:
 def _methods(text: str) -> tuple[list[str], list[Method | None]]:
     """The comma-separated method specs and each built, so a bad name or option fails before the model loads (the
     built ones are checked against the model's config by ``_load``)."""
-    names = _split(text, "--methods")
+    names = split_items(text, "--methods")
     if not names:
         raise CriticalKVError("--methods needs at least one method (the full cache always runs as the reference)")
     return names, [build_method(name) for name in names]
@@ -98,7 +98,7 @@ def _methods(text: str) -> tuple[list[str], list[Method | None]]:
 
 def _budgets(text: str) -> list[Budget]:
     """The comma-separated budgets, at least one."""
-    parsed = [Budget.parse(b) for b in _split(text, "--budgets")]
+    parsed = [Budget.parse(b) for b in split_items(text, "--budgets")]
     if not parsed:
         raise CriticalKVError("--budgets needs at least one budget")
     return parsed
@@ -183,7 +183,7 @@ def ruler(
         at_least(samples, 1, "--samples")
         at_least(length, 1, "--length")
         at_least(max_new_tokens, 0, "--max-new-tokens")
-        chosen = _split(tasks, "--tasks") or list(ruler_data.TASKS)
+        chosen = split_items(tasks, "--tasks") or list(ruler_data.TASKS)
         unknown = [t for t in chosen if t not in ruler_data.TASKS]
         if unknown:
             raise CriticalKVError(f"unknown RULER task(s) {unknown}; tasks: {', '.join(ruler_data.TASKS)}")
@@ -372,7 +372,7 @@ def longbench(
         at_least(samples, 0, "--samples")
         at_least(max_length, 1, "--max-length")
         at_least(max_new_tokens, 0, "--max-new-tokens")
-        groups = longbench_run.read_datasets(data, _split(datasets, "--datasets"))
+        groups = longbench_run.read_datasets(data, split_items(datasets, "--datasets"))
         parsed = _budgets(budgets)
         names, built = _methods(methods)
         regime = regime_of(mode, question_aware)

@@ -81,8 +81,9 @@ class Row:
 
 
 def is_count(budget: float | int) -> bool:
-    """Whether a row's budget counts entries per KV head (an int in results.jsonl) rather than a fraction (a float)."""
-    return isinstance(budget, int)
+    """Whether a row's budget counts entries per KV head (an int in results.jsonl) rather than a fraction (a float),
+    as ``Budget`` reads it."""
+    return not Budget(budget).is_fraction
 
 
 def budget_id(budget: float | int) -> tuple[bool, float | int]:
