@@ -37,9 +37,9 @@ from speed_memory import PRESS_OF, VENV, git_state, kvpress_ratio, machine
 from transformers import AutoConfig, AutoTokenizer
 
 from criticalkv.eval import ruler
-from criticalkv.eval.needle import encode_prompt
 from criticalkv.methods import build_method
 from criticalkv.models.presets import PRESETS, load_model, resolve_model_folder
+from criticalkv.prompts import encode_prompt
 from criticalkv.runtime.shared_prefill import SharedPrefill
 
 HERE = Path(__file__).resolve().parent

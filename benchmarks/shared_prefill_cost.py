@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from criticalkv.eval.needle import build_needle_sample, encode_prompt
+from criticalkv.eval.needle import build_needle_sample
 from criticalkv.models.presets import load_model
+from criticalkv.prompts import encode_prompt
 from criticalkv.runtime.session import ContextSession
 from criticalkv.runtime.shared_prefill import SharedPrefill
 

@@ -87,7 +87,8 @@ def gpu_block_sizes():
 
 def prompt_ids(tokenizer, length: int, seed: int = 0) -> list[int]:
     """A chat-templated needle-in-a-haystack prompt of about ``length`` tokens, template included."""
-    from criticalkv.eval.needle import build_needle_sample, encode_prompt
+    from criticalkv.eval.needle import build_needle_sample
+    from criticalkv.prompts import encode_prompt
 
     def ids_for(context_tokens: int) -> list[int]:
         sample = build_needle_sample(tokenizer, context_tokens, seed=seed)

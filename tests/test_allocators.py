@@ -25,12 +25,12 @@ from criticalkv.allocators import (
     HeadProfileError,
     HeadProfileWarning,
     PyramidAllocator,
-    calibrate_head_profile,
     load_profile,
 )
 from criticalkv.allocators import head_profile as head_profile_module
 from criticalkv.allocators.pyramid import pyramid_budgets
 from criticalkv.errors import BudgetError, CriticalKVError
+from criticalkv.eval.head_calibration import calibrate_head_profile
 from criticalkv.methods import PRESETS, build_method
 from criticalkv.models.presets import PRESETS as MODEL_PRESETS
 from criticalkv.runtime.method import Method
@@ -512,7 +512,7 @@ def test_calibration_runs_on_a_tiny_model(tiny_tokenizer):
 def test_a_calibrated_folder_finds_its_own_profile(tmp_path, monkeypatch, tiny_tokenizer):
     """calibrate-heads names a profile as load_profile looks for it: after calibrating a folder, loading that
     folder finds its profile by name, without a shape-only warning, though another of its shape comes first."""
-    from criticalkv.allocators.head_profile import calibrate_preset
+    from criticalkv.eval.head_calibration import calibrate_preset
 
     monkeypatch.setattr(head_profile_module, "user_profile_dir", lambda: tmp_path / "profiles")
     folder = save_random_llama(

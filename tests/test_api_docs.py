@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import json
 import re
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def _default(parameter: inspect.Parameter) -> str:
     if value is dataclasses.MISSING or repr(value) == "<factory>":
         return "..."
     if isinstance(value, str):
-        return '"' + value + '"'
+        return json.dumps(value, ensure_ascii=False)  # "x", and "\n\n" for a separator as the code writes it
     return repr(value)
 
 

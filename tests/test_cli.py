@@ -301,7 +301,7 @@ def test_calibrate_heads_lets_a_calibration_bug_surface(monkeypatch):
     def calibrate(*args, **kwargs):
         raise ValueError("a bug in the calibration")
 
-    monkeypatch.setattr("criticalkv.allocators.head_profile.calibrate_preset", calibrate)
+    monkeypatch.setattr("criticalkv.eval.head_calibration.calibrate_preset", calibrate)
     result = CliRunner().invoke(app, ["calibrate-heads", "--lengths", "96"])
     assert isinstance(result.exception, ValueError) and result.exit_code == 1
     assert "error:" not in result.output
@@ -390,7 +390,7 @@ def test_run_hints_float32_for_a_bfloat16_model_on_a_cpu_that_emulates_bfloat16(
 ):
     """Without AVX512-BF16 or AMX, bfloat16 runs about 2.8x slower than float32 on a CPU: the command says so (once),
     and nothing where the CPU multiplies bfloat16 or the model is not in bfloat16."""
-    monkeypatch.setattr("criticalkv.selectors.norm_screen.cpu_multiplies_bfloat16", lambda: native)
+    monkeypatch.setattr("criticalkv.core.device.cpu_multiplies_bfloat16", lambda: native)
     context = tmp_path / "context.txt"
     context.write_text("The quick brown fox jumps over the lazy dog. " * 3)
     args = ["run", "--model", str(short_model), "--device", "cpu", "--context-file", str(context), "--dtype", dtype]

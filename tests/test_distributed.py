@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 import criticalkv
 from criticalkv.allocators import AdaKVAllocator, HeadProfile
 from criticalkv.cli import app
+from criticalkv.core.layout import GATHERED_STYLES, plan_style
 from criticalkv.distributed import (
     UnevenHeadsError,
     cap_rank_imbalance,
@@ -33,7 +34,6 @@ from criticalkv.distributed import (
     output_projection,
 )
 from criticalkv.distributed.equivalence import compare, prompt, run_method
-from criticalkv.distributed.layout import GATHERED_STYLES, plan_style
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
 from criticalkv.methods import build_method
 from criticalkv.models import presets
@@ -194,7 +194,8 @@ def test_a_plan_that_gathers_the_heads_decides_as_one_process(family, projection
 
 def test_cli_run_under_torchrun(tiny_root: Path, monkeypatch):
     """``criticalkv run`` split over 2 ranks answers as on one process; rank 0 alone prints and writes."""
-    args = ["run", "--model", str(tiny_root / "model"), "--method", "critical-adakv", "--context-tokens", "200"]
+    args = ["run", "--model", str(tiny_root / "model"), "--method", "critical-adakv", "--mode", "aware"]
+    args += ["--context-tokens", "200"]
     args += ["--max-new-tokens", "3", "--dtype", "float32"]
     split = _torchrun(tiny_root, "criticalkv.cli", *args, "--json", str(tiny_root / "split.json"))
     assert split.stdout.count("question-aware · budget 0.2") == 1  # one table: rank 1 printed nothing
@@ -440,7 +441,7 @@ def _sign_check_on_two_ranks(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from criticalkv.budget import Budget
-    from criticalkv.distributed.heads import HeadShard
+    from criticalkv.core.heads import HeadShard
     from criticalkv.runtime import method as method_module
     from criticalkv.selectors import CriticalSelector, DefensiveSelector
     from criticalkv.selectors import defensive as defensive_module

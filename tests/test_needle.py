@@ -8,14 +8,8 @@ import pytest
 
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval import needle
-from criticalkv.eval.needle import (
-    build_needle_sample,
-    chat_prompt_parts,
-    encode_prompt,
-    encode_prompt_parts,
-    needle_prompt_ids,
-    text_token_span,
-)
+from criticalkv.eval.needle import build_needle_sample, needle_prompt_ids
+from criticalkv.prompts import chat_prompt_parts, encode_prompt, encode_prompt_parts, text_token_span
 
 
 def n_tokens(tokenizer, text: str) -> int:

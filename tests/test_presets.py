@@ -72,6 +72,7 @@ from transformers import (
     SolarOpenConfig,
 )
 
+from criticalkv.core import paths
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
 from criticalkv.models import families, presets
 from criticalkv.models.families import SUPPORTED_FAMILIES, check_supported, head_dim, text_config
@@ -91,7 +92,7 @@ TINY = {
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "cache"
-    monkeypatch.setenv(presets.CACHE_ENV_VAR, str(root))
+    monkeypatch.setenv(paths.CACHE_ENV_VAR, str(root))
     return root
 
 
@@ -137,10 +138,10 @@ def test_unknown_preset() -> None:
 
 
 def test_cache_dir_env_var(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv(presets.CACHE_ENV_VAR, raising=False)
-    assert presets.cache_root() == Path(platformdirs.user_cache_dir("criticalkv"))
-    monkeypatch.setenv(presets.CACHE_ENV_VAR, str(tmp_path))
-    assert presets.cache_root() == tmp_path
+    monkeypatch.delenv(paths.CACHE_ENV_VAR, raising=False)
+    assert paths.cache_root() == Path(platformdirs.user_cache_dir("criticalkv"))
+    monkeypatch.setenv(paths.CACHE_ENV_VAR, str(tmp_path))
+    assert paths.cache_root() == tmp_path
 
 
 # ---------------------------------------------------------------- packages and checksums

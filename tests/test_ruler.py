@@ -12,9 +12,9 @@ import pytest
 
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval import ruler
-from criticalkv.eval.needle import encode_prompt
 from criticalkv.eval.needle_grid import needle_grid, plot_heatmap
 from criticalkv.eval.ruler import TASKS, RulerSample, generate, score, task_score
+from criticalkv.prompts import encode_prompt
 
 needs_ruler_data = pytest.mark.skipif(
     find_spec("long_context_eval") is None,

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 import criticalkv
 from criticalkv.cache import CompressedLayer
 from criticalkv.cli import app
-from criticalkv.eval.needle import build_needle_sample, encode_prompt
+from criticalkv.eval.needle import build_needle_sample
+from criticalkv.prompts import encode_prompt
 from criticalkv.runtime.session import ContextSession
 
 pytestmark = pytest.mark.model

@@ -75,7 +75,7 @@ def test_sweep_resumes_and_matches_separate_runs(tmp_path, tiny_tokenizer, monke
     stored = load_rows(tmp_path / "results.jsonl")
     assert len(stored) == 3 * (1 + 2 * 2)
     # each stored answer (float32: batched or not) equals a separate, unshared run of that pair
-    from criticalkv.eval.needle import encode_prompt
+    from criticalkv.prompts import encode_prompt
 
     sample = samples[1]
     prefix_ids, suffix_ids = encode_prompt(tiny_tokenizer, sample.context, sample.question, sample.answer_prefix)

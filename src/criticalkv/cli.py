@@ -18,11 +18,11 @@ from rich.table import Table
 
 from criticalkv.analysis.command import perturbation
 from criticalkv.budget import Budget
+from criticalkv.core.layout import ParallelLayout
 from criticalkv.distributed import launch
-from criticalkv.distributed.layout import ParallelLayout
 from criticalkv.errors import CriticalKVError
+from criticalkv.eval.commands import ModeOption, at_least, parse_numbers, regime_line, regime_of, split_items
 from criticalkv.eval.commands import app as eval_app
-from criticalkv.eval.commands import at_least, parse_numbers, regime_of, split_items
 from criticalkv.methods import PRESETS, build_method, parse_option_value
 from criticalkv.models.families import SUPPORTED_FAMILIES, check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, list_presets, load_notes
@@ -140,9 +140,7 @@ def run(
         str, typer.Option("--method", "--methods", help="Comma-separated presets, compared with the full cache.")
     ] = "critical-snapkv",
     budget: Annotated[str, typer.Option(help="Fraction kept (0.2) or entries per head (512).")] = "0.2",
-    mode: Annotated[str, typer.Option(help="aware: the question is compressed with the context; agnostic: after.")] = (
-        "aware"
-    ),
+    mode: ModeOption = None,
     context_file: Annotated[Path | None, typer.Option(help="A text file to use as the context.")] = None,
     question: Annotated[list[str] | None, typer.Option(help="A question (repeatable).")] = None,
     context_tokens: Annotated[
@@ -203,7 +201,7 @@ def _run(
     option,
     json_path,
 ) -> None:
-    regime_of(mode, question_aware=False)  # refuses a mode other than agnostic or aware, as eval's --mode
+    mode = regime_of(mode, question_aware=False)  # DEFAULT_MODE when not given, as eval's --mode
     at_least(max_new_tokens, 1, "--max-new-tokens")
     named = split_items(method, "--method (--methods)")
     if not named:
@@ -229,7 +227,7 @@ def _run(
         raise CriticalKVError(f"--depth must be in [0, 1], got {depth}")
     if context_file is None:
         at_least(context_tokens, 1, "--context-tokens")
-    from criticalkv.eval.needle import encode_prompt
+    from criticalkv.prompts import encode_prompt
 
     asked: list[tuple[str, str | None, str]] = []
     encoded: list[tuple[list[int], list[int]]] = []
@@ -251,6 +249,8 @@ def _run(
             with_tokenizer=prepare,
         )
     layout = ParallelLayout.of(model)  # one process, or where this one sits in a torchrun split
+    if layout.is_main:
+        console.print(regime_line(mode))
     for note in load_notes(model, tokenizer) if layout.is_main else []:
         console.print(note, style="dim", markup=False)
     device = next(model.parameters()).device
@@ -356,7 +356,7 @@ def calibrate_heads(
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
 ) -> None:
     """Measure each KV head's retrieval importance on needle prompts and save HeadKV's profile for the model."""
-    from criticalkv.allocators.head_profile import calibrate_preset
+    from criticalkv.eval.head_calibration import calibrate_preset
 
     try:
         sizes = tuple(parse_numbers(lengths, int, "--lengths"))

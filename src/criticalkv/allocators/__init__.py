@@ -8,8 +8,6 @@ from criticalkv.allocators.head_profile import (
     HeadProfile,
     HeadProfileError,
     HeadProfileWarning,
-    calibrate_head_profile,
-    calibrate_preset,
     load_profile,
 )
 from criticalkv.allocators.headkv import HeadKVAllocator
@@ -27,7 +25,5 @@ __all__ = [
     "HeadProfileWarning",
     "PyramidAllocator",
     "UniformAllocator",
-    "calibrate_head_profile",
-    "calibrate_preset",
     "load_profile",
 ]

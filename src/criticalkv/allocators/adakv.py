@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from criticalkv.distributed.balance import cap_rank_imbalance
-from criticalkv.distributed.heads import every_head, head_shard
-from criticalkv.scorers.base import LayerView, padding_or_protected
+from criticalkv.allocators.balance import cap_rank_imbalance
+from criticalkv.core.heads import every_head, head_shard
+from criticalkv.core.view import LayerView, padding_or_protected
 
 
 @dataclass

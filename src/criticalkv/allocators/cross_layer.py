@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from criticalkv.distributed.heads import every_head, head_shard
-from criticalkv.distributed.stages import every_layer
-from criticalkv.scorers.base import LayerView
+from criticalkv.core.heads import every_head, head_shard
+from criticalkv.core.stages import every_layer
+from criticalkv.core.view import LayerView
 from criticalkv.selectors.base import keep_protected
 from criticalkv.selectors.defensive import take_ordered
 

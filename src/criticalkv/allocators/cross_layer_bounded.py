@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 from criticalkv.allocators.cross_layer import LayerShare, contest_winners
-from criticalkv.allocators.pyramid import compressed_layer_position
-from criticalkv.distributed.stages import refuse_split
+from criticalkv.core.stages import refuse_split
+from criticalkv.core.view import LayerView
 from criticalkv.errors import CriticalKVError
-from criticalkv.scorers.base import LayerView
+from criticalkv.models.families import compressed_layer_position
 from criticalkv.selectors.base import keep_protected
 from criticalkv.selectors.defensive import take_ordered
 

@@ -8,12 +8,13 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+from criticalkv.allocators.balance import cap_rank_imbalance
 from criticalkv.allocators.head_profile import HeadProfile, HeadProfileError, config_shape, load_profile
-from criticalkv.allocators.pyramid import compressed_layer_position, full_attention_layers, largest_remainder
-from criticalkv.distributed.balance import cap_rank_imbalance
-from criticalkv.distributed.heads import every_head, head_shard
+from criticalkv.allocators.pyramid import largest_remainder
+from criticalkv.core.heads import every_head, head_shard
+from criticalkv.core.view import LayerView
 from criticalkv.errors import BudgetError
-from criticalkv.scorers.base import LayerView
+from criticalkv.models.families import compressed_layer_position, full_attention_layers
 
 SCOPES = ("layer", "model")
 

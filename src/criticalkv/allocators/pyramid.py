@@ -6,34 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-from transformers import PretrainedConfig
 
-from criticalkv.errors import CriticalKVError
-from criticalkv.models.families import layer_types
-from criticalkv.scorers.base import LayerView
-
-
-def full_attention_layers(config: PretrainedConfig) -> list[int]:
-    """Indices of the model's full-attention layers: the ones ``CompressedCache`` compresses.
-
-    Sliding-window layers are never compressed, so depth-dependent allocators spread the budget over the
-    full-attention layers only; for most models that is every layer.
-    """
-    kinds, _ = layer_types(config)
-    return [i for i, kind in enumerate(kinds) if kind == "full_attention"]
-
-
-def compressed_layer_position(module: nn.Module) -> tuple[int, int]:
-    """(rank of this attention module's layer among the full-attention layers, how many there are)."""
-    config = getattr(module, "config", None)
-    layer_idx = getattr(module, "layer_idx", None)
-    if config is None or layer_idx is None:
-        raise CriticalKVError("this allocator needs the attention module's .config and .layer_idx")
-    full = full_attention_layers(config)
-    if layer_idx not in full:
-        raise CriticalKVError(f"layer {layer_idx} is not a full-attention layer: it is not compressed")
-    return full.index(layer_idx), len(full)
+from criticalkv.core.view import LayerView
+from criticalkv.models.families import compressed_layer_position
 
 
 def largest_remainder(shares: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:

@@ -31,11 +31,11 @@ from transformers import AttentionInterface, DynamicCache, PretrainedConfig, Pre
 from transformers.masking_utils import AttentionMaskInterface
 
 from criticalkv.cache.attention import MASKS, base_attention
+from criticalkv.core.view import LayerView
 from criticalkv.errors import CacheStateError, CriticalKVError, UnsupportedModelError
 from criticalkv.logits import logit_changes
 from criticalkv.models.families import attention_modules
 from criticalkv.runtime.compressor import prefill_view
-from criticalkv.scorers import LayerView
 from criticalkv.selectors.value_norm import check_output_projections
 
 __all__ = ["Capture", "LayerCapture", "attention_modules", "capture"]

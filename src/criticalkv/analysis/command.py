@@ -33,10 +33,11 @@ from criticalkv.analysis.perturbation import (
     stack,
     summarise,
 )
-from criticalkv.analysis.plots import file_stem, plot_hidden, plot_layers, plot_ratio_heatmap, plot_ratio_histogram
+from criticalkv.analysis.plots import plot_hidden, plot_layers, plot_ratio_heatmap, plot_ratio_histogram
 from criticalkv.budget import Budget
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.commands import split_items
+from criticalkv.eval.report import file_stem
 from criticalkv.methods import build_method
 from criticalkv.models.families import check_length
 from criticalkv.models.presets import DEVICE_HELP, DTYPE_HELP
@@ -76,7 +77,8 @@ class Prompt:
 
 def essay_prompts(tokenizer, n: int, length: int, seed: int = 0) -> list[Prompt]:
     """Needle prompts from RULER's essays: ``length`` context tokens, needle depths spread over [0, 1]."""
-    from criticalkv.eval.needle import build_needle_sample, encode_prompt
+    from criticalkv.eval.needle import build_needle_sample
+    from criticalkv.prompts import encode_prompt
 
     prompts = []
     for i in range(n):
@@ -111,7 +113,7 @@ def essay_window_prompts(tokenizer, n: int, length: int) -> list[Prompt]:
 def window_prompts(tokenizer, text: str, source: str, n: int, length: int) -> list[Prompt]:
     """``n`` consecutive windows of ``length`` tokens of ``text``, cycling through it, each followed by
     ``TEXT_QUESTION``; ``source`` names the text in each prompt's info."""
-    from criticalkv.eval.needle import encode_prompt
+    from criticalkv.prompts import encode_prompt
 
     tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
     if not tokens:

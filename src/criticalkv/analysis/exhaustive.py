@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from criticalkv.scorers import LayerView
+from criticalkv.core.view import LayerView
 from criticalkv.selectors import CriticalSelector, TopKSelector
 from criticalkv.selectors.measured import WindowPerturbation
 

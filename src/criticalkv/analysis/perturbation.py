@@ -37,10 +37,10 @@ from transformers import PreTrainedModel
 from criticalkv.analysis.capture import Capture, LayerCapture
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedLayer
+from criticalkv.core.view import LayerView
 from criticalkv.errors import UnsupportedModelError
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.shared_prefill import SharedPrefill
-from criticalkv.scorers import LayerView
 
 __all__ = [
     "SUBSETS",

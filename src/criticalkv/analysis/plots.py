@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -14,12 +13,7 @@ import numpy as np
 
 from criticalkv.palette import distinct_colours
 
-__all__ = ["file_stem", "plot_hidden", "plot_layers", "plot_ratio_heatmap", "plot_ratio_histogram"]
-
-
-def file_stem(*parts: str) -> str:
-    """A file-name-safe stem from labels (``"snapkv", "critical-snapkv"`` -> ``snapkv_vs_critical-snapkv``)."""
-    return "_vs_".join(re.sub(r"[^A-Za-z0-9.+-]+", "_", p) for p in parts)
+__all__ = ["plot_hidden", "plot_layers", "plot_ratio_heatmap", "plot_ratio_histogram"]
 
 
 def _columns(count: int) -> tuple[int, int]:

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DummyLayer
 
 from criticalkv.cache.compressed_layer import CompressedLayer, owning
-from criticalkv.distributed.layout import on_this_stage, stage_layers
+from criticalkv.core.layout import on_this_stage, stage_layers
 from criticalkv.errors import CacheStateError
 from criticalkv.models.families import layer_types
 
-if TYPE_CHECKING:
-    from criticalkv.runtime.compressor import Compressor
+
+class CacheOwner(Protocol):
+    """What the cache reads of the runtime that plugs into it (``criticalkv.runtime.compressor.Compressor``): the
+    model it serves, whether its attention function is installed, and where to say which cache is being filled."""
+
+    model: PreTrainedModel
+    installed: bool
+    active_cache: object
 
 
 def storage_bytes(tensors) -> int:
@@ -48,7 +54,7 @@ class CompressedCache(Cache):
     transformers' ``DummyLayer`` (they hold nothing, and masks are sized from a layer the stage runs).
     """
 
-    def __init__(self, config: PretrainedConfig, compressor: Compressor | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, compressor: CacheOwner | None = None) -> None:
         kinds, layer_kwargs = layer_types(config)
         owned = None if compressor is None else stage_layers(compressor.model)  # None: every layer
         layers = [

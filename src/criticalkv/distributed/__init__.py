@@ -5,9 +5,9 @@ Under tensor parallelism each rank holds a block of KV heads (``heads``); pieces
 they compare, once per layer. Under pipeline parallelism each stage compresses the layers it runs.
 """
 
-from criticalkv.distributed.balance import cap_rank_imbalance
-from criticalkv.distributed.heads import HeadShard, every_head, head_shard, output_projection
-from criticalkv.distributed.layout import (
+from criticalkv.allocators.balance import cap_rank_imbalance
+from criticalkv.core.heads import HeadShard, every_head, head_shard, output_projection
+from criticalkv.core.layout import (
     ParallelLayout,
     UnevenHeadsError,
     check_even_heads,

@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from criticalkv.budget import Budget
-from criticalkv.distributed.layout import ParallelLayout
+from criticalkv.core.layout import ParallelLayout
 from criticalkv.methods import build_method
 from criticalkv.runtime.compressor import Compressor
 from criticalkv.runtime.method import Method

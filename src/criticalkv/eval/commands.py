@@ -15,13 +15,13 @@ import typer
 from criticalkv.budget import Budget
 from criticalkv.distributed import launch
 from criticalkv.errors import CriticalKVError
-from criticalkv.eval.needle import encode_prompt
-from criticalkv.eval.report import HEATMAP_PREFIX, write_report
+from criticalkv.eval.report import HEATMAP_PREFIX, file_stem, write_report
 from criticalkv.eval.sweep import REGIMES, check_out_folder, load_rows, pair_label, run_sweep, stored_settings
 from criticalkv.methods import build_method
 from criticalkv.models.families import check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, as_dtype, load_notes
 from criticalkv.progress import output_console, print_error
+from criticalkv.prompts import encode_prompt
 from criticalkv.runtime.compressor import check_methods_config
 
 if TYPE_CHECKING:  # needle_grid pulls matplotlib: imported by the command only
@@ -40,23 +40,35 @@ ModelOption = Annotated[str, typer.Option(help="Preset name, local folder or hub
 MethodsOption = Annotated[str, typer.Option(help="Comma-separated presets (the full cache always runs).")]
 BudgetsOption = Annotated[str, typer.Option(help="Comma-separated budgets.")]
 DtypeOption = Annotated[str, typer.Option(help=DTYPE_HELP)]
+DEFAULT_MODE = "agnostic"  # of run and eval alike: a context compressed once serves any later question
 ModeOption = Annotated[
     str | None,
     typer.Option(
-        help="agnostic (the default here): the context is compressed before the question is seen; aware: the "
-        "question is compressed with it, as run's --mode."
+        help=f"agnostic: the context is compressed before the question is seen; aware: the question is compressed "
+        f"with it. Default {DEFAULT_MODE}, in run and eval alike."
     ),
 ]
 QuestionAwareOption = Annotated[bool, typer.Option(help="The same as --mode aware.")]
 
 
 def regime_of(mode: str | None, question_aware: bool) -> str:
-    """The regime ``--mode`` and its older spelling ``--question-aware`` ask for (agnostic when neither is given)."""
-    if mode not in (None, "agnostic", "aware"):
+    """The regime ``--mode`` and its older spelling ``--question-aware`` ask for (``DEFAULT_MODE`` when neither is
+    given)."""
+    if mode not in (None, *REGIMES):
         raise CriticalKVError(f"--mode must be 'agnostic' or 'aware', got {mode!r}")
     if question_aware and mode == "agnostic":
         raise CriticalKVError("--question-aware is --mode aware: it contradicts --mode agnostic")
-    return "aware" if question_aware or mode == "aware" else "agnostic"
+    return "aware" if question_aware else mode or DEFAULT_MODE
+
+
+def regime_line(regime: str) -> str:
+    """The line run and eval print first: which regime they measure, and how to ask for the other."""
+    what = {
+        "agnostic": "the context is compressed before the question is seen",
+        "aware": "the question is compressed with the context",
+    }[regime]
+    other = next(r for r in REGIMES if r != regime)
+    return f"question-{regime} (--mode {regime}): {what}; --mode {other} for the other regime"
 
 
 def split_items(text: str, option: str) -> list[str]:
@@ -190,6 +202,8 @@ def ruler(
         parsed = _budgets(budgets)
         names, built = _methods(methods)
         regime = regime_of(mode, question_aware)
+        if launch.is_main_process():
+            console.print(regime_line(regime))
         folder = out or Path("results") / f"ruler-{Path(model).name}-{length}-{regime}"
         check_out_folder(folder)
         every: list = []
@@ -279,13 +293,14 @@ def needle(
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
 ) -> None:
     """Needle in a haystack over depths x lengths: one heatmap per method and budget."""
-    from criticalkv.analysis.plots import file_stem
     from criticalkv.eval.needle_grid import check_grid, needle_grid, plot_heatmap
 
     try:
         parsed = _budgets(budgets)
         names, built = _methods(methods)
         regime = regime_of(mode, question_aware)
+        if launch.is_main_process():
+            console.print(regime_line(regime))
         folder = out or Path("results") / f"needle-{Path(model).name}-{regime}"
         grid = {"lengths": parse_numbers(lengths, int, "--lengths"), "depths": parse_numbers(depths, float, "--depths")}
         check_grid(grid["lengths"], grid["depths"])  # before the model loads
@@ -376,6 +391,8 @@ def longbench(
         parsed = _budgets(budgets)
         names, built = _methods(methods)
         regime = regime_of(mode, question_aware)
+        if launch.is_main_process():
+            console.print(regime_line(regime))
         folder = out or Path("results") / f"longbench-{Path(model).name}-{max_length}-{regime}"
         check_out_folder(folder)
         items: list = []

@@ -25,8 +25,8 @@ from criticalkv.eval.longbench import (
     truncate_middle,
     uses_chat_template,
 )
-from criticalkv.eval.needle import chat_split
 from criticalkv.eval.sweep import StopRule
+from criticalkv.prompts import chat_split
 
 __all__ = [
     "PROTOCOL",

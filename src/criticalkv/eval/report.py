@@ -18,6 +18,11 @@ from criticalkv.palette import distinct_colours
 HEATMAP_PREFIX = "heatmap_"  # eval needle's score maps, one per (method, budget): heatmap_<label>.png
 
 
+def file_stem(*parts: str) -> str:
+    """A file-name-safe stem from labels (``"snapkv", "critical-snapkv"`` -> ``snapkv_vs_critical-snapkv``)."""
+    return "_vs_".join(re.sub(r"[^A-Za-z0-9.+-]+", "_", p) for p in parts)
+
+
 def summarise(rows: list[Row]) -> dict:
     """Mean score per (regime, method, budget, task), the mean over tasks, and the compression loss.
 

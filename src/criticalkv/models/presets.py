@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -21,7 +20,6 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 
-import platformdirs
 import torch
 from safetensors import SafetensorError
 from transformers import (
@@ -34,11 +32,11 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from criticalkv.core.paths import cache_root
 from criticalkv.errors import CriticalKVError
 from criticalkv.models.families import check_supported
 from criticalkv.models.hub import hub_reachable
 
-CACHE_ENV_VAR = "CRITICALKV_CACHE_DIR"
 DEFAULT_PRESET = "smollm2-135m"
 _MARKER = "criticalkv-preset.json"  # written last inside a converted folder: its presence = complete
 _CHUNK = 1 << 20  # bytes read per step when hashing / joining
@@ -153,12 +151,6 @@ def list_presets() -> list[Preset]:
     list of Preset
     """
     return list(PRESETS.values())
-
-
-def cache_root() -> Path:
-    """``$CRITICALKV_CACHE_DIR`` if set, else the platform's user cache dir for ``criticalkv``."""
-    env = os.environ.get(CACHE_ENV_VAR)
-    return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("criticalkv"))
 
 
 def _get_preset(name: str) -> Preset:
@@ -334,7 +326,7 @@ def load_notes(model: PreTrainedModel, tokenizer: object) -> list[str]:
 def slow_dtype_note(model: PreTrainedModel) -> str | None:
     """A hint for the command line: a bfloat16 model on a CPU that emulates bfloat16 products (neither AVX512-BF16
     nor AMX), where float32 runs about 2.8x faster (README); None elsewhere."""
-    from criticalkv.selectors.norm_screen import cpu_multiplies_bfloat16
+    from criticalkv.core.device import cpu_multiplies_bfloat16
 
     if model.dtype != torch.bfloat16 or model.device.type != "cpu" or cpu_multiplies_bfloat16():
         return None
@@ -499,7 +491,7 @@ def load_model(
     if attn_implementation == "auto":
         attn_implementation = base_attention_for(config)
     if distributed_config is not None:
-        from criticalkv.distributed.layout import check_even_heads, check_parallel_split
+        from criticalkv.core.layout import check_even_heads, check_parallel_split
 
         check_parallel_split(distributed_config.tp_size, distributed_config.pp_size)
         check_even_heads(config, distributed_config.tp_size)

@@ -29,13 +29,13 @@ from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer, attention
 from criticalkv.cache.compressed_cache import release_views
 from criticalkv.cache.fused_attention import ATTENTION_ENV_VAR, flash_setup_reasons, requested_path
-from criticalkv.distributed.layout import check_model
+from criticalkv.core.layout import check_model
+from criticalkv.core.view import LayerView
 from criticalkv.errors import CacheStateError, PaddingError, UnsupportedModelError
 from criticalkv.logits import logit_changes
-from criticalkv.models import head_dim
-from criticalkv.models.families import attention_modules, check_supported, layer_types, text_config
+from criticalkv.models.families import attention_modules, check_supported, head_dim, layer_types, text_config
 from criticalkv.runtime.method import Method
-from criticalkv.scorers import LayerView
+from criticalkv.scorers.base import PendingLayer, PrefillContext
 from criticalkv.scorers.reconstruct import MaxAttentionProbe
 
 
@@ -178,26 +178,6 @@ class LayerRecord:
     kept: torch.Tensor  # (b, h_kv) entries kept per head
     kept_whole: torch.Tensor  # (b,) bool
     keep: torch.Tensor | None = None  # (b, h_kv, t) bool keep mask, when the compressor records them
-
-
-@dataclass
-class PendingLayer:
-    """A dense layer of a deferred method, waiting for the end of the prefill."""
-
-    layer: CompressedLayer
-    view: LayerView  # keys/values are the layer's own storage; query holds only the method's last rows
-
-
-@dataclass
-class PrefillContext:
-    """What a scorer with ``after_prefill`` gets to score a finished prefill (e.g. by extra forward passes)."""
-
-    model: PreTrainedModel
-    compressor: Compressor
-    cache: CompressedCache
-    input_ids: torch.Tensor | None  # (b, t) the prefill's tokens
-    attention_mask: torch.Tensor | None  # (b, t) the prefill's mask, None when every token is real
-    pending: list[PendingLayer]  # the compressible layers, in layer order
 
 
 @dataclass

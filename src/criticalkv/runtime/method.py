@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 import torch
 
 from criticalkv.allocators import Allocator, UniformAllocator
-from criticalkv.allocators.pyramid import compressed_layer_position
 from criticalkv.budget import Budget
-from criticalkv.distributed.heads import head_shard
+from criticalkv.core.heads import head_shard
+from criticalkv.core.view import LayerView, padding_or_protected
 from criticalkv.errors import CriticalKVError, NegativeScoreError
-from criticalkv.scorers import LayerView, Scorer
-from criticalkv.scorers.base import declares_non_negative, padding_or_protected
+from criticalkv.models.families import compressed_layer_position
+from criticalkv.scorers import Scorer
+from criticalkv.scorers.base import declares_non_negative
 from criticalkv.selectors import Selector, TopKSelector
 
 

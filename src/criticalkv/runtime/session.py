@@ -14,7 +14,7 @@ from transformers.cache_utils import Cache
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
 from criticalkv.cache.compressed_cache import release_views, storage_bytes
-from criticalkv.distributed.layout import on_this_stage, stage_layers
+from criticalkv.core.layout import on_this_stage, stage_layers
 from criticalkv.errors import CacheStateError, CriticalKVError, PaddingError
 from criticalkv.runtime.api import make_compressor
 from criticalkv.runtime.compressor import Compressor, refuse_nesting, require_left_padding

@@ -21,13 +21,13 @@ from criticalkv.methods import build_method
 from criticalkv.runtime.compressor import (
     Compressor,
     LayerRecord,
-    PendingLayer,
     apply_shrink,
     check_compressible,
     prefill_view,
 )
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.session import ContextSession, warn_unmasked_padding
+from criticalkv.scorers.base import PendingLayer
 
 
 @dataclass

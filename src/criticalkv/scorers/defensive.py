@@ -13,7 +13,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from criticalkv.scorers.base import LayerView, last_positions, window_attention
+from criticalkv.core.view import LayerView
+from criticalkv.scorers.base import last_positions, window_attention
 
 #: Where the "window mass" subtracted from stage 1's target is measured (docs/method.md, DefensiveKV).
 MASS_SLICES = ("intended", "reference")

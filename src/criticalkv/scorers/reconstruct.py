@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -25,13 +25,11 @@ from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBas
 from transformers.cache_utils import DummyLayer
 
 from criticalkv.cache.compressed_layer import CompressedLayer, as_bool_mask
+from criticalkv.core.view import LayerView
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
 from criticalkv.logits import logit_changes
 from criticalkv.models.hub import hub_reachable
-from criticalkv.scorers.base import LayerView
-
-if TYPE_CHECKING:
-    from criticalkv.runtime.compressor import PrefillContext
+from criticalkv.scorers.base import PrefillContext
 
 FIRST_REQUEST = "\n\nRepeat the previous context exactly."  # KVzip's prompt before the first chunk
 NEXT_REQUEST = "\n\nRepeat the part of the previous context exactly, starting with"  # before each later chunk

@@ -9,7 +9,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from criticalkv.scorers.base import LayerView, last_positions, window_attention
+from criticalkv.core.view import LayerView
+from criticalkv.scorers.base import last_positions, window_attention
 
 AGGREGATES = ("mean", "max")
 

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from criticalkv.scorers.base import LayerView
+from criticalkv.core.view import LayerView
 
 
 @dataclass

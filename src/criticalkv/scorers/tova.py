@@ -7,8 +7,9 @@ from typing import ClassVar
 
 import torch
 
-from criticalkv.distributed.heads import head_shard
-from criticalkv.scorers.base import LayerView, last_positions, window_attention
+from criticalkv.core.heads import head_shard
+from criticalkv.core.view import LayerView
+from criticalkv.scorers.base import last_positions, window_attention
 
 
 @dataclass

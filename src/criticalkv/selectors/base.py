@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from criticalkv.scorers.base import LayerView
+from criticalkv.core.view import LayerView
 
 
 class Selector(Protocol):

@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from criticalkv.scorers.base import LayerView
+from criticalkv.core.view import LayerView
 from criticalkv.scorers.snapkv import AGGREGATES, window_head_scores
 from criticalkv.selectors.base import add_top, keep_protected, largest, open_places, take_top
 from criticalkv.selectors.norm_screen import BRACKETS, first_round, screen_kind, take_top_by_value_norm

@@ -10,8 +10,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from criticalkv.distributed.heads import head_shard, share_every_head
-from criticalkv.scorers.base import LayerView
+from criticalkv.core.heads import head_shard, share_every_head
+from criticalkv.core.view import LayerView
 from criticalkv.scorers.defensive import MASS_SLICES, WindowStatistics, window_statistics
 from criticalkv.selectors.base import keep_protected
 from criticalkv.selectors.value_norm import check_output_projections, projected_value_norm

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from criticalkv.core.view import LayerView
 from criticalkv.errors import UnsupportedModelError
 from criticalkv.logits import SINKS, logit_changes
-from criticalkv.scorers.base import LayerView
 from criticalkv.scorers.snapkv import shared_window_attention
 from criticalkv.selectors.base import keep_protected, take_top
 from criticalkv.selectors.critical import CriticalSelector

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from criticalkv.core.device import cpu_multiplies_bfloat16
 from criticalkv.selectors.base import add_top, largest, open_places
 from criticalkv.selectors.value_norm import projected_value_norm
 
@@ -71,12 +72,6 @@ def cpu_multiplies_float32_exactly() -> bool:
         if value != "none":
             return value == "ieee"
     return True
-
-
-def cpu_multiplies_bfloat16() -> bool:
-    """AVX512-BF16 or AMX, as torch reports them (private helpers: a torch without them counts as neither)."""
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
 def norm_bounds(values: torch.Tensor, o_proj_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from criticalkv.scorers.base import LayerView
+from criticalkv.core.view import LayerView
 from criticalkv.selectors.base import add_top, keep_protected, largest, open_places
 
 

@@ -19,7 +19,7 @@ from criticalkv.errors import UnsupportedModelError
 from criticalkv.models.families import text_config
 
 if TYPE_CHECKING:
-    from criticalkv.scorers.base import LayerView
+    from criticalkv.core.view import LayerView
 
 if dist.is_available():
     from torch.distributed.tensor import DTensor, Replicate, Shard

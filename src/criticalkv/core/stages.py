@@ -9,9 +9,10 @@ import torch.distributed as dist
 from torch import nn
 
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
+from criticalkv.models.families import compressed_layer_position
 
 if TYPE_CHECKING:
-    from criticalkv.scorers.base import LayerView
+    from criticalkv.core.view import LayerView
 
 
 def split_over_ranks(module: nn.Module) -> bool:
@@ -34,8 +35,6 @@ def every_layer(per_layer: list[torch.Tensor], views: list[LayerView]) -> dict[i
     ``all_gather_object`` over every rank: it runs once per prefill, when a deferred method decides); ranks of one
     stage under tensor parallelism contribute the same tensors, already taken over every head.
     """
-    from criticalkv.allocators.pyramid import compressed_layer_position
-
     mine = {int(view.module.layer_idx): tensor for tensor, view in zip(per_layer, views, strict=True)}
     _, total = compressed_layer_position(views[0].module)
     if len(mine) == total:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import CacheLayerMixin, DummyLayer
 
-from criticalkv.distributed.heads import is_dtensor
+from criticalkv.core.heads import is_dtensor
 from criticalkv.errors import UnsupportedModelError
 from criticalkv.models.families import attention_modules, text_config
 
