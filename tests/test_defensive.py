@@ -405,7 +405,7 @@ def test_cross_layer_moves_budget_between_layers():
 @pytest.mark.parametrize("allocator", [CrossLayerAllocator(), BoundedCrossLayerAllocator()])
 def test_budget_one_keeps_everything(allocator):
     views = _layers([30, 20], 30, 2, 3, seed=1, ties=False)
-    method = Method(_Given(4), allocator, DefensiveSelector())
+    method = Method(_Given(4), allocator, DefensiveSelector(window=_Given.window))
     state: dict = {}
     for view in views:
         decision = method.decide(view, Budget(1.0), state)

@@ -61,16 +61,16 @@ def test_deferred_generate_equals_per_layer(name):
         assert torch.equal(keep_a, keep_b)
 
 
-def test_deferred_selector_with_a_wider_window_than_its_scorer():
-    """A deferred layer keeps only its last ``query_rows`` query rows; a selector that reads a window wider than
-    the scorer's must find its queries there (it read the rows by the key length and failed)."""
+def test_deferred_selector_reads_its_window_from_the_kept_query_rows():
+    """A deferred layer keeps only its last ``query_rows`` query rows (the method's window); the selector must find
+    its window's queries there (it read the rows by the key length and failed)."""
     model = _model()
     ids = torch.randint(0, 256, (2, 90), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
     mask[1, :25] = 0  # left padding
     keeps = []
     for defer in (False, True):
-        method = Method(SnapKVScorer(window=8), UniformAllocator(), CriticalSelector(stage2="unpooled", window=16))
+        method = Method(SnapKVScorer(window=16), UniformAllocator(), CriticalSelector(stage2="unpooled", window=16))
         with criticalkv.compress(model, dataclasses.replace(method, defer=defer), 0.3) as compressor:
             compressor.record_keep = True
             with torch.no_grad():

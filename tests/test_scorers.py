@@ -162,13 +162,13 @@ def test_snapkv_padding_does_not_change_a_row():
     )
     scorer = SnapKVScorer(window=8)
     torch.testing.assert_close(scorer.score(padded)[1:, :, 15:], scorer.score(alone), rtol=1e-5, atol=1e-7)
-    decision_p = Method(scorer, selector=CriticalSelector()).decide(padded, Budget(0.4))
-    decision_a = Method(scorer, selector=CriticalSelector()).decide(alone, Budget(0.4))
+    decision_p = Method(scorer, selector=CriticalSelector(window=8)).decide(padded, Budget(0.4))
+    decision_a = Method(scorer, selector=CriticalSelector(window=8)).decide(alone, Budget(0.4))
     assert torch.equal(decision_p.keep[1:, :, 15:], decision_a.keep)
     assert not bool(decision_p.keep[1:, :, :15].any())
 
 
-@pytest.mark.parametrize("selector", [TopKSelector(), CriticalSelector()], ids=["topk", "critical"])
+@pytest.mark.parametrize("selector", [TopKSelector(), CriticalSelector(window=8)], ids=["topk", "critical"])
 def test_snapkv_window_always_kept(selector):
     view = _view([48, 40], 48, seed=4)
     decision = Method(SnapKVScorer(window=8), selector=selector).decide(view, Budget(0.25))
@@ -189,7 +189,7 @@ def test_snapkv_budget_smaller_than_window_keeps_most_recent():
 def test_context_not_longer_than_window_is_kept_whole(length, budget):
     """Even where the fraction rounds to zero entries (0.2 of 1-4 tokens)."""
     view = _view([length], length, seed=6)
-    decision = Method(SnapKVScorer(window=16), selector=CriticalSelector()).decide(view, budget)
+    decision = Method(SnapKVScorer(window=16), selector=CriticalSelector(window=16)).decide(view, budget)
     assert decision.keep is None
     assert decision.kept_whole.tolist() == [True]
     assert decision.budgets.tolist() == [[length, length]]
@@ -197,7 +197,7 @@ def test_context_not_longer_than_window_is_kept_whole(length, budget):
 
 def test_short_row_kept_whole_beside_a_compressed_row_where_its_fraction_rounds_to_zero():
     view = _view([40, 3], 40, seed=8)
-    decision = Method(SnapKVScorer(window=16), selector=CriticalSelector()).decide(view, Budget(0.2))
+    decision = Method(SnapKVScorer(window=16), selector=CriticalSelector(window=16)).decide(view, Budget(0.2))
     assert decision.kept_whole.tolist() == [False, True]
     assert decision.budgets.tolist() == [[8, 8], [3, 3]]
     assert decision.keep.sum(-1).tolist() == [[8, 8], [3, 3]]
@@ -206,7 +206,7 @@ def test_short_row_kept_whole_beside_a_compressed_row_where_its_fraction_rounds_
 
 def test_mixed_batch_short_row_kept_whole_long_row_compressed():
     view = _view([40, 10], 40, seed=7)
-    decision = Method(SnapKVScorer(window=16), selector=CriticalSelector()).decide(view, Budget(0.5))
+    decision = Method(SnapKVScorer(window=16), selector=CriticalSelector(window=16)).decide(view, Budget(0.5))
     assert decision.kept_whole.tolist() == [False, True]
     assert torch.equal(decision.keep[1], view.valid[1].expand(2, -1))  # every real entry, no padding
     assert decision.budgets.tolist() == [[20, 20], [10, 10]]

@@ -516,10 +516,14 @@ def test_critical_equals_brute_force_property(t, b, h_kv, groups, seed):
 # through Method.decide
 
 
-@pytest.mark.parametrize("scorer", [SnapKVScorer(window=4), TOVAScorer()], ids=["snapkv", "tova"])
-def test_method_decide_critical_respects_budget_and_padding(scorer):
+@pytest.mark.parametrize(
+    ("scorer", "selector"),
+    [(SnapKVScorer(window=4), CriticalSelector(window=4)), (TOVAScorer(), CriticalSelector())],
+    ids=["snapkv", "tova"],
+)
+def test_method_decide_critical_respects_budget_and_padding(scorer, selector):
     view = _make_view(3, 2, 2, 30, 8, 16, [30, 21, 9], seed=21)
-    decision = Method(scorer, selector=CriticalSelector()).decide(view, Budget(0.4))
+    decision = Method(scorer, selector=selector).decide(view, Budget(0.4))
     assert decision.keep is not None
     assert decision.keep.sum(-1).tolist() == [[12, 12], [8, 8], [3, 3]]
     assert torch.equal(decision.budgets, decision.keep.sum(-1))

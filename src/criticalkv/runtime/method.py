@@ -10,7 +10,7 @@ from criticalkv.allocators import Allocator, UniformAllocator
 from criticalkv.budget import Budget
 from criticalkv.core.heads import head_shard
 from criticalkv.core.view import LayerView, padding_or_protected
-from criticalkv.errors import CriticalKVError, NegativeScoreError
+from criticalkv.errors import CriticalKVError, MethodOptionError, NegativeScoreError
 from criticalkv.models.families import compressed_layer_position
 from criticalkv.scorers import Scorer
 from criticalkv.scorers.base import declares_non_negative
@@ -65,7 +65,7 @@ class Method:
 
     Examples
     --------
-    >>> Method(SnapKVScorer(window=64), UniformAllocator(), CriticalSelector(alpha=0.25))  # doctest: +SKIP
+    >>> Method(SnapKVScorer(window=64), UniformAllocator(), CriticalSelector(window=64, alpha=0.25))  # doctest: +SKIP
     """
 
     scorer: Scorer
@@ -85,10 +85,30 @@ class Method:
         """True when ``decide`` takes one layer's view alone: not deferred, no state carried from layer to layer."""
         return not (self.deferred or getattr(self.allocator, "streaming", False))
 
+    def __post_init__(self) -> None:
+        windows = {
+            role: int(piece.window)
+            for role, piece in (("scorer", self.scorer), ("allocator", self.allocator), ("selector", self.selector))
+            if hasattr(piece, "window")
+        }
+        if len(set(windows.values())) > 1:
+            stated = ", ".join(f"the {role}'s {w}" for role, w in windows.items())
+            raise MethodOptionError(
+                f"one method observes one window, but its pieces state {stated}: give them the same window "
+                "(build_method(name, window=w) sets it on every piece that has one)"
+            )
+
+    @property
+    def window(self) -> int | None:
+        """The observation window: the last queries of a prefill that the scorer and selector read, one number
+        for the method (its pieces that read a window must state the same, see ``__post_init__``); None when no
+        piece reads one."""
+        return next((int(p.window) for p in (self.scorer, self.allocator, self.selector) if hasattr(p, "window")), None)
+
     @property
     def query_rows(self) -> int:
         """Last query rows of a prefill that scoring and selection read (a deferred layer keeps only these)."""
-        return max(int(getattr(piece, "window", 1)) for piece in (self.scorer, self.allocator, self.selector))
+        return self.window or 1
 
     def decide(self, view: LayerView, budget: Budget, state: dict | None = None) -> Decision:
         """Decide one layer from its prefill view.
