@@ -31,6 +31,7 @@ from transformers import AttentionInterface, DynamicCache, PretrainedConfig, Pre
 from transformers.masking_utils import AttentionMaskInterface
 
 from criticalkv.cache.attention import MASKS, base_attention
+from criticalkv.core.positions import positions_from_mask
 from criticalkv.core.view import LayerView
 from criticalkv.errors import CacheStateError, CriticalKVError, UnsupportedModelError
 from criticalkv.logits import logit_changes
@@ -143,7 +144,7 @@ def register() -> None:
 
 
 def _forward(model, ids, mask, cache, hidden: bool):
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
+    positions = positions_from_mask(mask)[:, -ids.shape[1] :]
     return model(
         input_ids=ids,
         attention_mask=mask,

@@ -37,6 +37,7 @@ from transformers import PreTrainedModel
 from criticalkv.analysis.capture import Capture, LayerCapture
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedLayer
+from criticalkv.core.positions import positions_from_mask
 from criticalkv.core.view import LayerView
 from criticalkv.errors import UnsupportedModelError
 from criticalkv.runtime.method import Method
@@ -323,7 +324,7 @@ def compressed_hidden_states(
                 ids = capture.follow_ids[:, offset : offset + size]
                 offset += size
                 mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
-                positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -size:]
+                positions = positions_from_mask(mask)[:, -size:]
                 out = model(
                     input_ids=ids,
                     attention_mask=mask,

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from criticalkv.budget import Budget
 from criticalkv.core.layout import ParallelLayout
+from criticalkv.core.positions import positions_from_mask
 from criticalkv.methods import build_method
 from criticalkv.runtime.compressor import Compressor
 from criticalkv.runtime.method import Method
@@ -77,7 +78,7 @@ def run_method(
         cache = compressor.new_cache()
         logits, tokens = [], []
         for step in range(new_tokens):
-            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
+            positions = positions_from_mask(mask)[:, -ids.shape[1] :]
             out = model(
                 input_ids=ids,
                 attention_mask=mask,

@@ -15,6 +15,7 @@ from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
 from criticalkv.cache.compressed_cache import release_views, storage_bytes
 from criticalkv.core.layout import on_this_stage, stage_layers
+from criticalkv.core.positions import positions_from_mask
 from criticalkv.errors import CacheStateError, CriticalKVError, PaddingError
 from criticalkv.runtime.api import make_compressor
 from criticalkv.runtime.compressor import Compressor, refuse_nesting, require_left_padding
@@ -272,7 +273,7 @@ class ContextSession:
     # --- internals ---------------------------------------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, full_mask: torch.Tensor) -> torch.Tensor:
         """Run new tokens (b, q) given the logical mask of everything so far (b, seen + q); last logits."""
-        positions = (full_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]
+        positions = positions_from_mask(full_mask)[:, -input_ids.shape[1] :]
         self.mask_with_pending = full_mask
         if self.compressor is not None:
             self.compressor.install()

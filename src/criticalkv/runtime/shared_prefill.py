@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer
+from criticalkv.core.positions import positions_from_mask
 from criticalkv.errors import CriticalKVError
 from criticalkv.methods import build_method
 from criticalkv.runtime.compressor import (
@@ -84,7 +85,7 @@ class SharedPrefill(Compressor):
             target.records, target.pending, target.state = [], [], {}
         source = CompressedCache(self.model.config, self)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        positions = positions_from_mask(mask)
         with self:
             out = self.model(
                 input_ids=input_ids,

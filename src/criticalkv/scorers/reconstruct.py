@@ -25,6 +25,7 @@ from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBas
 from transformers.cache_utils import DummyLayer
 
 from criticalkv.cache.compressed_layer import CompressedLayer, as_bool_mask
+from criticalkv.core.positions import positions_from_mask
 from criticalkv.core.view import LayerView
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
 from criticalkv.logits import logit_changes
@@ -384,7 +385,7 @@ class ReconstructionScorer:
             for chunk_ids, chunk_mask in inputs.chunks:
                 probe.query_valid = chunk_mask.bool()
                 full_mask = torch.cat([mask, chunk_mask], dim=1)  # (b, t + q)
-                positions = (full_mask.long().cumsum(-1) - 1).clamp(min=0)[:, t:]
+                positions = positions_from_mask(full_mask)[:, t:]
                 try:
                     context.model(
                         input_ids=chunk_ids,
