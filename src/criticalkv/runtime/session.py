@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DummyLayer
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
@@ -180,7 +180,11 @@ class ContextSession:
         if self.compressor is not None:
             self.compressor.start_prefill()
         start = time.perf_counter()
-        logits = self._forward(input_ids, self.mask)
+        try:
+            logits = self._forward(input_ids, self.mask)
+        except BaseException:
+            self.cache = None  # a half-filled context: the next ask refuses it rather than answering on it
+            raise
         self.prefill_seconds = time.perf_counter() - start
         self.context_length = input_ids.shape[1]
         self.cache.crop(0)  # sliding layers trim back to their window now that the context is in
@@ -212,6 +216,20 @@ class ContextSession:
                 f"max_new_tokens and min_new_tokens must be >= 0, got {max_new_tokens}, {min_new_tokens}"
             )
         stops = _stop_tokens(eos_token_id)
+        try:  # an interrupted answer (Ctrl-C, out of memory) must not leave its tokens in the cache
+            return self._answer(question_ids, question_mask, max_new_tokens, min_new_tokens, stops)
+        finally:
+            self.rewind()
+
+    def _answer(
+        self,
+        question_ids: torch.Tensor | None,
+        question_mask: torch.Tensor | None,
+        max_new_tokens: int,
+        min_new_tokens: int,
+        stops: list[int],
+    ) -> Generation:
+        """``ask``'s greedy loop; it leaves the question and answer in the cache for ``ask`` to rewind."""
         start = time.perf_counter()
         if question_ids is None or question_ids.shape[1] == 0:
             logits = self.last_logits
@@ -238,15 +256,23 @@ class ContextSession:
             full_mask = torch.cat([full_mask, torch.ones_like(token[:, None])], dim=1)
             logits = self._forward(token[:, None], full_mask)
             result.decode_seconds.append(time.perf_counter() - tick)
-        self.rewind()
         return result
 
     def rewind(self) -> None:
         """Drop everything appended after the context (question and answer tokens) and give back the memory
-        they took: a compressed cache then holds its compressed context alone, as right after the prefill."""
-        extra = self.cache.get_seq_length() - self.context_length
-        if extra > 0:
-            self.cache.crop(-extra)
+        they took: a compressed cache then holds its compressed context alone, as right after the prefill.
+
+        Each layer is cropped by what it holds beyond the context: a forward stopped part-way (an exception inside
+        ``ask``) has appended the new tokens to the first layers only."""
+        cropped = False
+        for layer in self.cache.layers:
+            if isinstance(layer, DummyLayer) or not layer.is_initialized:  # another stage's, or never filled
+                continue
+            extra = layer.get_seq_length() - self.context_length
+            if extra > 0:
+                layer.crop(-extra)
+                cropped = True
+        if cropped:
             release_views(self.cache.layers, slack=REWIND_SLACK)  # transformers' layers crop to views
         if isinstance(self.cache, CompressedCache):
             self.cache.compact()

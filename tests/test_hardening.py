@@ -1,0 +1,59 @@
+"""Faults a user or the machine injects, each answered by a clear refusal or a clean state (the hardening issue)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_runtime import _ids, _model
+
+from criticalkv.errors import CacheStateError
+from criticalkv.runtime.session import ContextSession
+
+
+class _Interrupt:
+    """A forward hook that raises ``KeyboardInterrupt`` on its ``nth`` call."""
+
+    def __init__(self, nth: int) -> None:
+        self.nth, self.calls = nth, 0
+
+    def __call__(self, *args: object) -> None:
+        self.calls += 1
+        if self.calls == self.nth:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(("family", "method"), [("llama", "snapkv"), ("llama", "full"), ("gemma3", "critical-snapkv")])
+def test_interrupted_ask_leaves_the_context_clean(family, method):
+    """Ctrl-C on the 4th forward of an answer (after the first layer, before the second: a half-appended step) leaves
+    the cache as it was: the next answer equals an uninterrupted session's."""
+    model = _model(family)
+    context, question, other = _ids(40, seed=1), _ids(5, seed=2), _ids(7, seed=3)
+    reference = ContextSession(model, method, 0.5)
+    reference.prefill(context)
+    expected = reference.ask(question, max_new_tokens=6)
+    session = ContextSession(model, method, 0.5)
+    session.prefill(context)
+    hook = model.model.layers[0].register_forward_hook(_Interrupt(4))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            session.ask(other, max_new_tokens=6)
+    finally:
+        hook.remove()
+    assert session.cache.get_seq_length() == 40
+    answer = session.ask(question, max_new_tokens=6)
+    assert torch.equal(answer.tokens, expected.tokens)
+    assert session.kv_entries() == reference.kv_entries()
+
+
+def test_interrupted_prefill_is_not_answered_on():
+    """A prefill stopped part-way leaves no context to answer on: ``ask`` refuses instead of using half a cache."""
+    model = _model("llama")
+    session = ContextSession(model, "snapkv", 0.5)
+    hook = model.model.layers[1].register_forward_hook(_Interrupt(1))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            session.prefill(_ids(40, seed=1))
+    finally:
+        hook.remove()
+    with pytest.raises(CacheStateError, match="prefill"):
+        session.ask(_ids(5, seed=2))
