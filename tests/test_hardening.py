@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from test_runtime import _ids, _model
 
-from criticalkv.errors import CacheStateError
+from criticalkv.errors import CacheStateError, UnsupportedModelError
+from criticalkv.models import load_model
 from criticalkv.runtime.session import ContextSession
 
 
@@ -57,3 +61,28 @@ def test_interrupted_prefill_is_not_answered_on():
         hook.remove()
     with pytest.raises(CacheStateError, match="prefill"):
         session.ask(_ids(5, seed=2))
+
+
+def _remote_code_folder(folder: Path) -> Path:
+    """A model folder whose config names an unknown model type and its own code (``auto_map``); that code, if ever
+    run, creates ``ran.marker`` beside it."""
+    folder.mkdir()
+    marker = folder / "ran.marker"
+    code = f"from pathlib import Path\nPath({str(marker)!r}).touch()\n"
+    code += "from transformers import PretrainedConfig\n\n\nclass EvilConfig(PretrainedConfig):\n"
+    code += "    model_type = 'evil'\n"
+    (folder / "configuration_evil.py").write_text(code)
+    (folder / "modeling_evil.py").write_text(code)
+    auto_map = {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    (folder / "config.json").write_text(json.dumps({"model_type": "evil", "auto_map": auto_map}))
+    return folder
+
+
+def test_a_folder_of_remote_code_is_refused_without_running_it(tmp_path, monkeypatch):
+    """A folder with ``auto_map`` and an unknown model type: refused, with no "run the custom code? [y/N]" prompt (a
+    user answering yes to it ran the folder's code) and without running the code."""
+    folder = _remote_code_folder(tmp_path / "evil")
+    monkeypatch.setattr("builtins.input", lambda *args: "y")  # a user who would answer yes to transformers' prompt
+    with pytest.raises(UnsupportedModelError, match="auto_map"):
+        load_model(str(folder))
+    assert not (folder / "ran.marker").exists()
