@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_runtime import _ids, _model
 
+from criticalkv.budget import Budget
 from criticalkv.errors import CacheStateError, UnsupportedModelError
 from criticalkv.models import load_model
 from criticalkv.runtime.session import ContextSession
@@ -86,3 +88,17 @@ def test_a_folder_of_remote_code_is_refused_without_running_it(tmp_path, monkeyp
     with pytest.raises(UnsupportedModelError, match="auto_map"):
         load_model(str(folder))
     assert not (folder / "ran.marker").exists()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("decimal", ["0.7", "0.2", "0.35", "0.1", "0.9"])
+def test_numpy_budgets_keep_what_their_decimal_says(dtype, decimal):
+    """A numpy scalar budget keeps what its decimal keeps: float32 0.7 of 1000 is 700 entries, not 699."""
+    lengths = torch.tensor([1000, 4095, 37])
+    expected = Budget(float(decimal)).entries_for(lengths)
+    assert torch.equal(Budget(dtype(decimal)).entries_for(lengths), expected)
+    assert torch.equal(Budget.parse(dtype(decimal)).entries_for(lengths), expected)
+
+
+def test_a_float32_budget_of_0_7_keeps_700_of_1000():
+    assert int(Budget(np.float32(0.7)).entries_for(torch.tensor([1000]))[0]) == 700
