@@ -2,18 +2,39 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import re
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from test_runtime import _ids, _model
+from test_merge import SETTINGS
+from test_runtime import FAMILIES, _ids, _model
+from test_sweep_folders import _score, _sweep_setup
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
 
+from criticalkv import Method, compress
 from criticalkv.budget import Budget
-from criticalkv.errors import CacheStateError, UnsupportedModelError
+from criticalkv.cli import app
+from criticalkv.errors import (
+    CacheStateError,
+    CriticalKVError,
+    PaddingError,
+    UnknownMethodError,
+    UnreadableFileError,
+    UnsupportedModelError,
+)
+from criticalkv.eval import method_record, sweep
+from criticalkv.eval.sweep import load_rows, run_sweep, stored_settings
+from criticalkv.methods import build_method
 from criticalkv.models import load_model
 from criticalkv.runtime.session import ContextSession
+from criticalkv.scorers import SnapKVScorer
 
 
 class _Interrupt:
@@ -102,3 +123,246 @@ def test_numpy_budgets_keep_what_their_decimal_says(dtype, decimal):
 
 def test_a_float32_budget_of_0_7_keeps_700_of_1000():
     assert int(Budget(np.float32(0.7)).entries_for(torch.tensor([1000]))[0]) == 700
+
+
+class _FullDiskFile:
+    """A file opened for writing whose writes fail as on a full disk (after the open truncated it, if it did)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def __enter__(self) -> _FullDiskFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.close()
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.handle, name)
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """Call it to fill the disk: every file then opened for writing through ``Path.open`` (``write_text``
+    included) fails to write."""
+    real = Path.open
+
+    def open_(self, mode="r", *args, **kwargs):
+        handle = real(self, mode, *args, **kwargs)
+        return _FullDiskFile(handle) if any(c in mode for c in "wxa") else handle
+
+    return lambda: monkeypatch.setattr(Path, "open", open_)
+
+
+def test_a_full_disk_leaves_the_sweep_folder_files_whole(tmp_path, full_disk):
+    """methods.json and sweep.json rewritten on a full disk: the write fails, and the old files stay whole (they were
+    truncated to 0 bytes, and every later resume crashed on them), with no temporary file left."""
+    folder = tmp_path / "sweep"
+    folder.mkdir()
+    (folder / "methods.json").write_bytes(json.dumps({"snapkv": "old"}).encode())
+    (folder / "sweep.json").write_bytes(json.dumps(SETTINGS).encode())
+    before = sorted(p.name for p in folder.iterdir())
+    full_disk()
+    with pytest.raises(OSError, match="No space"):
+        method_record.record(folder, {"tova": "new"})
+    with pytest.raises(OSError, match="No space"):
+        sweep._record_settings(folder, {**SETTINGS, "seed": 1})
+    assert method_record.recorded(folder) == {"snapkv": "old"}
+    assert stored_settings(folder) == SETTINGS
+    assert sorted(p.name for p in folder.iterdir()) == before
+
+
+@pytest.mark.parametrize("name", ["methods.json", "sweep.json"])
+@pytest.mark.parametrize("content", [b"", b'{"snapkv": "Method(', b"\xff\xfe{}"])
+def test_a_damaged_sweep_file_is_named_when_resuming(tmp_path, tiny_tokenizer, name, content):
+    """A 0-byte, truncated or non-UTF-8 methods.json / sweep.json: the resume fails with an error naming the file
+    (it was a raw JSONDecodeError), before any sample is answered."""
+    model, samples, kwargs = _sweep_setup(tiny_tokenizer, tmp_path / "sweep")
+    run_sweep(model, tiny_tokenizer, samples[:1], _score, **kwargs)
+    (tmp_path / "sweep" / name).write_bytes(content)
+    with pytest.raises(UnreadableFileError, match=re.escape(str(tmp_path / "sweep" / name))):
+        run_sweep(model, tiny_tokenizer, samples, _score, **kwargs)
+    assert len(load_rows(tmp_path / "sweep" / "results.jsonl")) == 2
+
+
+class _Tampered(SnapKVScorer):
+    """SnapKV's scores with one real, unprotected position set to ``value`` (or cast to ``dtype``)."""
+
+    def __init__(self, value: float | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(window=4)
+        self.value, self.dtype = value, dtype
+
+    def score(self, view):
+        scores = super().score(view)  # (b, h_kv, t)
+        if self.value is not None:
+            scores[:, 0, 3] = self.value
+        return scores if self.dtype is None else (scores * 1000).to(self.dtype)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("-inf"), float("inf")])
+def test_non_finite_scores_of_a_custom_scorer_are_refused(value):
+    """NaN or infinite scores under top-k were ranked silently (NaN first, -inf last); now refused, by name."""
+    model = _model("llama")
+    method = Method(_Tampered(value))
+    with pytest.raises(CriticalKVError, match="_Tampered gave NaN or infinite"), compress(model, method, 0.5):
+        model(_ids(40, seed=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_integer_scores_of_a_custom_scorer_are_refused(dtype):
+    """Integer scores failed deep inside with torch.finfo's TypeError; now refused, by name."""
+    model = _model("llama")
+    method = Method(_Tampered(dtype=dtype))
+    with pytest.raises(CriticalKVError, match=f"_Tampered gave {dtype} scores"), compress(model, method, 0.5):
+        model(_ids(40, seed=1))
+
+
+def test_finite_scores_of_a_custom_scorer_decide_as_before(capture_decisions):
+    """The check refuses nothing finite: a custom scorer equal to SnapKV's keeps what SnapKV keeps."""
+    model = _model("llama")
+    for method in (Method(_Tampered()), Method(SnapKVScorer(window=4))):
+        with compress(model, method, 0.5):
+            model(_ids(40, seed=1))
+    custom, builtin = capture_decisions[:2], capture_decisions[2:]
+    assert len(custom) == len(builtin) == 2
+    assert all(torch.equal(a[2].keep, b[2].keep) for a, b in zip(custom, builtin, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("spec", "options", "suggestion"),
+    [
+        ("critcal-snapkv", {}, "Did you mean 'critical-snapkv'?"),
+        ("snapvk", {}, "Did you mean 'snapkv'?"),
+        ("snapkv", {"windw": 8}, "Did you mean 'window'?"),
+        ("critical-snapkv:alhpa=0.5", {}, "Did you mean 'alpha'?"),
+    ],
+)
+def test_a_mistyped_method_or_option_gets_a_suggestion(spec, options, suggestion):
+    with pytest.raises(UnknownMethodError, match=re.escape(suggestion)):
+        build_method(spec, **options)
+
+
+def test_the_cli_suggests_methods_and_tasks(monkeypatch):
+    """The CLI's refusals carry the suggestion (a model name had one; method names and RULER tasks had none)."""
+    monkeypatch.setattr("criticalkv.distributed.launch.load_model", _never_loaded)
+    for args, suggestion in [
+        (["run", "--method", "critcal-snapkv"], "Did you mean 'critical-snapkv'?"),
+        (["eval", "ruler", "--methods", "snapkv,tvoa"], "Did you mean 'tova'?"),
+        (["eval", "ruler", "--tasks", "niah_single1"], "Did you mean 'niah_single_1'?"),
+    ]:
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2
+        assert suggestion in " ".join(result.output.split())
+
+
+def _never_loaded(*args, **kwargs):
+    raise AssertionError("the model was loaded")
+
+
+def test_ctrl_c_in_a_sweep_says_that_rerunning_resumes(monkeypatch, tmp_path):
+    """Ctrl-C during a sweep still exits 130, now with the hint that the same command resumes."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("criticalkv.eval.commands._load", lambda *args: (SimpleNamespace(dtype=torch.float32), None))
+    monkeypatch.setattr("criticalkv.eval.commands.run_sweep", interrupted)
+    result = CliRunner().invoke(app, ["eval", "ruler", "--tasks", "vt", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 130
+    output = " ".join(result.output.split())
+    assert "run the same command again to resume" in output and str(tmp_path / "r") in output
+
+
+def test_a_second_sweep_on_a_busy_folder_is_refused(tmp_path, tiny_tokenizer):
+    """Two sweeps on one folder at once: the second is refused at once (both answered every sample and wrote every
+    row twice), and the first finishes with every row written once."""
+    folder = tmp_path / "sweep"
+    model, samples, kwargs = _sweep_setup(tiny_tokenizer, folder)
+    first_answered, second_done = threading.Event(), threading.Event()
+
+    def paused_samples():
+        yield samples[0]
+        first_answered.set()  # sample 0's rows are on disk: the second sweep would skip it and answer the rest
+        second_done.wait(timeout=120)
+        yield from samples[1:]
+
+    errors: list[BaseException] = []
+
+    def first_sweep():
+        try:
+            run_sweep(model, tiny_tokenizer, paused_samples(), _score, **kwargs)
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+
+    thread = threading.Thread(target=first_sweep)
+    thread.start()
+    try:
+        assert first_answered.wait(timeout=120)
+        with pytest.raises(CriticalKVError, match="another sweep is writing to"):
+            run_sweep(model, tiny_tokenizer, samples, _score, **kwargs)
+    finally:
+        second_done.set()
+        thread.join()
+    assert not errors
+    keys = [(row.index, row.method) for row in load_rows(folder / "results.jsonl")]
+    assert sorted(keys) == sorted({(i, m) for i in range(4) for m in ("full", "snapkv")})
+    run_sweep(model, tiny_tokenizer, samples, _score, **kwargs)  # the folder is free again: a resume answers nothing
+    assert len(load_rows(folder / "results.jsonl")) == 8
+
+
+def _sliding_model(family: str, window: int):
+    """The tiny ``family`` model of test_runtime with a sliding window of ``window`` tokens."""
+    config = FAMILIES[family]()
+    config.sliding_window = window
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _batched_questions(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Questions of ``lengths`` left-padded into one batch: ids (b, q), mask (b, q), and each question alone."""
+    alone = [_ids(n, seed=10 + i) for i, n in enumerate(lengths)]
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, question in enumerate(alone):
+        ids[row, width - question.shape[1] :] = question[0]
+        mask[row, width - question.shape[1] :] = 1
+    return ids, mask, alone
+
+
+@pytest.mark.parametrize("family", ["gemma3", "ministral"])
+@pytest.mark.parametrize("method", ["full", "snapkv"])
+def test_padded_questions_that_reach_into_a_sliding_window_are_refused(family, method):
+    """Questions of different lengths asked together on a sliding window the padding reaches into: refused (the
+    padding took slots of the window, and the rows answered from another context than alone)."""
+    model = _sliding_model(family, window=16)
+    context = _ids(24, seed=1).expand(2, -1)
+    ids, mask, _ = _batched_questions([7, 2])
+    session = ContextSession(model, method, 0.5)
+    session.prefill(context)
+    with pytest.raises(PaddingError, match="sliding-window"):
+        session.ask(ids, max_new_tokens=4, question_mask=mask)
+    solo = ContextSession(model, method, 0.5)  # each row alone, or rows of one length, are answered as before
+    solo.prefill(context[:1])
+    solo.ask(ids[:1], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "ministral"])
+def test_padded_questions_within_a_sliding_window_answer_as_alone(family):
+    """When context, question and answer fit the window, padding pushes nothing out: each row of the batch answers
+    as it does alone."""
+    model = _sliding_model(family, window=64)
+    context = _ids(24, seed=1)
+    ids, mask, alone = _batched_questions([7, 2])
+    session = ContextSession(model, "full")
+    session.prefill(context.expand(2, -1))
+    batched = session.ask(ids, max_new_tokens=4, question_mask=mask)
+    for row, question in enumerate(alone):
+        session_alone = ContextSession(model, "full")
+        session_alone.prefill(context)
+        assert torch.equal(batched.tokens[row], session_alone.ask(question, max_new_tokens=4).tokens[0])

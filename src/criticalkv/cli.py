@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 from dataclasses import asdict, dataclass
@@ -23,6 +22,7 @@ from criticalkv.distributed.layout import ParallelLayout
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.commands import app as eval_app
 from criticalkv.eval.commands import at_least, parse_numbers, regime_of, split_items
+from criticalkv.files import write_json
 from criticalkv.methods import PRESETS, build_method, parse_option_value
 from criticalkv.models.families import SUPPORTED_FAMILIES, check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, list_presets, load_notes
@@ -315,7 +315,7 @@ def _run(
             "machine": platform.processor() or platform.machine(),
             "results": [asdict(r) for r in results],
         }
-        json_path.write_text(json.dumps(report, indent=2))
+        write_json(json_path, report, indent=2)
         console.print(f"wrote {json_path}")
 
 

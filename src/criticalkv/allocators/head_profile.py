@@ -23,6 +23,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from criticalkv.errors import CriticalKVError
+from criticalkv.files import write_json
 from criticalkv.models.families import head_dim, text_config
 from criticalkv.progress import step_progress
 
@@ -190,7 +191,7 @@ class HeadProfile:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
+        write_json(path, self.to_dict(), indent=1)
         return path
 
     @classmethod

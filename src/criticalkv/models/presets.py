@@ -8,7 +8,6 @@ it into ``<cache>/models/<preset>`` (config.json + bfloat16 safetensors + tokeni
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import os
@@ -34,7 +33,7 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from criticalkv.errors import CriticalKVError, UnsupportedModelError
+from criticalkv.errors import CriticalKVError, UnsupportedModelError, did_you_mean
 from criticalkv.models.families import check_supported
 from criticalkv.models.hub import hub_reachable
 
@@ -406,12 +405,6 @@ def check_model_files(folder: Path) -> None:
         raise CriticalKVError(f"'{folder}' holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}).")
 
 
-def _closest_preset(name: str) -> str:
-    """`` Did you mean 'smollm2-135m'?`` for a name close to a preset, else ''."""
-    close = difflib.get_close_matches(name, list(PRESETS), n=1, cutoff=0.6)
-    return f" Did you mean '{close[0]}'?" if close else ""
-
-
 def base_attention_for(config: PretrainedConfig) -> str:
     """``"sdpa"``, or ``"eager"`` when the config's causal-LM class has no SDPA attention."""
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
@@ -495,8 +488,8 @@ def load_model(
         reason = str(err).splitlines()[0].rstrip(".")
         raise CriticalKVError(
             f"'{name_or_path}' is neither a preset nor a local folder, and its config {where}: {reason}."
-            f"{_closest_preset(name_or_path)} Presets: {', '.join(PRESETS)}; or a folder with config.json, weights and "
-            "tokenizer."
+            f"{did_you_mean(name_or_path, PRESETS)} Presets: {', '.join(PRESETS)}; or a folder with config.json, "
+            "weights and tokenizer."
         ) from err
     check_supported(config)
     if check_config is not None:

@@ -141,7 +141,12 @@ class Method:
                     f"{type(self.scorer).__name__} gave scores of shape {tuple(s.shape)}; a layer's scores are "
                     f"(b, h_kv, t) = {tuple(view.keys.shape[:3])}"
                 )
+            if not s.is_floating_point():  # torch.finfo, the selectors' "never pick" value, has no integer type
+                raise CriticalKVError(
+                    f"{type(self.scorer).__name__} gave {s.dtype} scores; scores must be floating point (.float())"
+                )
         self._check_signs(scores, plans, views, given)
+        self._check_finite(scores, plans, views)
         rank = getattr(self.selector, "rank", None)
         if rank is not None:
             scores = [rank(s, p.row_budgets, p.protected, v) for s, p, v in zip(scores, plans, views, strict=True)]
@@ -185,6 +190,26 @@ class Method:
                 f"{type(self.selector).__name__} multiplies scores by value norms, so scores must be >= 0; "
                 f"{type(self.scorer).__name__} produced negative or NaN scores (e.g. a negated key norm): make them "
                 "finite and >= 0, or use the top-k selector"
+            )
+
+    def _check_finite(self, scores: list[torch.Tensor], plans: list[_LayerPlan], views: list[LayerView]) -> None:
+        """A scorer of the user's own (its ``score`` defined outside criticalkv) must give finite scores wherever the
+        selector picks: top-k ranks NaN above every number and -inf below, so either decides silently. One host read
+        for the layers given; criticalkv's own scorers are spared it."""
+        if _own_method(self.scorer, "score"):
+            return
+        flags = []
+        for s, p, v in zip(scores, plans, views, strict=True):
+            ignored = padding_or_protected(v, p.protected) | p.kept_whole[:, None, None]  # (b, 1, t): not by score
+            bad = ~torch.isfinite(s.masked_fill(ignored, 0.0)).all()  # ()
+            shard = head_shard(v)
+            if shard is not None:  # tensor parallelism: every rank raises, not one alone while the others wait
+                bad = shard.gather(bad.view(1, 1)).any()
+            flags.append(bad)
+        if bool(torch.stack(flags).any()):
+            raise CriticalKVError(
+                f"{type(self.scorer).__name__} gave NaN or infinite scores at real context positions: every position "
+                "the selector may pick needs a finite score (rank a position first with a large finite value)"
             )
 
     def _stream(self, views: list[LayerView], budget: Budget, scores: list[torch.Tensor] | None) -> list[Decision]:
@@ -238,3 +263,8 @@ class Method:
             budgets = torch.where(whole[:, None], view.lengths[:, None], budgets)  # (b, h_kv)
         width = plan.width if getattr(self.allocator, "row_budget_per_head", False) else None
         return Decision(keep, budgets, whole, width=width)
+
+
+def _own_method(obj: object, name: str) -> bool:
+    """Whether ``obj``'s method ``name`` is criticalkv's own (not a subclass's override from elsewhere)."""
+    return getattr(getattr(type(obj), name, None), "__module__", "").startswith("criticalkv.")
