@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
+import os
 import re
 import threading
 from pathlib import Path
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from test_merge import SETTINGS
-from test_runtime import FAMILIES, _ids, _model
+from test_runtime import FAMILIES, VOCAB, _ids, _model
 from test_sweep_folders import _score, _sweep_setup
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
@@ -24,16 +26,19 @@ from criticalkv.cli import app
 from criticalkv.errors import (
     CacheStateError,
     CriticalKVError,
+    MethodOptionError,
     PaddingError,
     UnknownMethodError,
     UnreadableFileError,
     UnsupportedModelError,
 )
 from criticalkv.eval import method_record, sweep
+from criticalkv.eval.longbench import load_longbench
 from criticalkv.eval.sweep import load_rows, run_sweep, stored_settings
 from criticalkv.methods import build_method
 from criticalkv.models import load_model
 from criticalkv.runtime.session import ContextSession
+from criticalkv.runtime.shared_prefill import SharedPrefill
 from criticalkv.scorers import SnapKVScorer
 
 
@@ -366,3 +371,117 @@ def test_padded_questions_within_a_sliding_window_answer_as_alone(family):
         session_alone = ContextSession(model, "full")
         session_alone.prefill(context)
         assert torch.equal(batched.tokens[row], session_alone.ask(question, max_new_tokens=4).tokens[0])
+
+
+def test_ask_stops_at_the_models_end_of_sequence_token_by_default():
+    """As ``generate`` does: ``ask`` ends a row at ``generation_config.eos_token_id`` unless told otherwise (it ran to
+    ``max_new_tokens``); ``eos_token_id=None`` runs to the end."""
+    model = copy.deepcopy(_model("llama"))
+    context, question = _ids(40, seed=1), _ids(5, seed=2)
+    session = ContextSession(model, "snapkv", 0.5)
+    session.prefill(context)
+    unstopped = session.ask(question, max_new_tokens=8).tokens  # the tiny models have no eos of their own
+    assert unstopped.shape[1] == 8
+    stop = int(unstopped[0, 3])
+    first = int((unstopped[0] == stop).nonzero()[0])
+    model.generation_config.eos_token_id = stop
+    assert torch.equal(session.ask(question, max_new_tokens=8).tokens, unstopped[:, : first + 1])
+    assert torch.equal(session.ask(question, max_new_tokens=8, eos_token_id=None).tokens, unstopped)
+    model.generation_config.eos_token_id = [VOCAB - 1, stop]  # a list, as Llama 3's configs have
+    assert torch.equal(session.ask(question, max_new_tokens=8).tokens, unstopped[:, : first + 1])
+
+
+def test_shared_prefill_targets_take_method_options():
+    """A target's options (a window) set its own method, as ``ContextSession``'s options do, without build_method."""
+    model = _model("llama")
+    context, question = _ids(40, seed=1), _ids(5, seed=2)
+    shared = SharedPrefill(model, [("w8", "snapkv", 0.5, {"window": 8}), ("default", "snapkv", 0.5)])
+    assert [t.method.scorer.window for t in shared.targets] == [8, build_method("snapkv").scorer.window]
+    sessions = shared.prefill(context)
+    alone = ContextSession(model, "snapkv", 0.5, window=8)
+    alone.prefill(context)
+    assert torch.equal(sessions["w8"].ask(question).tokens, alone.ask(question).tokens)
+    assert sessions["w8"].kv_entries() == alone.kv_entries()
+    with pytest.raises(UnknownMethodError, match="Did you mean 'window'"):
+        SharedPrefill(model, [("x", "snapkv", 0.5, {"windw": 8})])
+    with pytest.raises(MethodOptionError, match="custom Method"):
+        SharedPrefill(model, [("x", build_method("snapkv"), 0.5, {"window": 8})])
+
+
+def test_sessions_report_their_prefill_and_compression_times():
+    """A SharedPrefill's sessions carry the shared prefill's time and their own compression time (they had none:
+    timing needed a second prefill); a ContextSession's compression time is its compressor's."""
+    model = _model("llama")
+    context = _ids(40, seed=1)
+    sessions = SharedPrefill(model, [("full", "full", 1.0), ("snapkv", "snapkv", 0.5)]).prefill(context)
+    seconds = {label: (s.prefill_seconds, s.compress_cpu_seconds) for label, s in sessions.items()}
+    assert seconds["full"][0] == seconds["snapkv"][0] > 0  # one shared forward
+    assert 0 < seconds["snapkv"][1] < float("inf") and seconds["full"][1] < seconds["snapkv"][1]
+    for method in ("full", "snapkv"):
+        session = ContextSession(model, method, 0.5)
+        session.prefill(context)
+        assert session.prefill_seconds > 0
+        expected = 0.0 if method == "full" else session.compressor.compress_cpu_seconds
+        assert session.compress_cpu_seconds == expected
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading a model fails the test: every refusal here must come first."""
+    monkeypatch.setattr("criticalkv.distributed.launch.load_model", _never_loaded)
+
+
+def _refused(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(app, args)
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2, (result.exception, output)
+    assert message in output, output
+
+
+def test_an_out_folder_that_cannot_be_written_is_refused_before_loading(no_model, tmp_path, monkeypatch):
+    """A read-only folder as --out (or above it): refused before the model loads (it failed after the load)."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere: the folder reads as read-only as it would to a user
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: real(p, mode) and not (Path(p) == locked and mode & os.W_OK))
+    try:
+        for command in (["eval", "ruler"], ["eval", "needle"]):
+            _refused([*command, "--out", str(locked / "sweep")], f"cannot write in {locked}")
+            _refused([*command, "--out", str(locked)], f"cannot write in {locked}")
+    finally:
+        locked.chmod(0o755)
+
+
+def test_a_full_disk_during_a_sweep_is_a_clear_error(tmp_path, tiny_tokenizer, full_disk):
+    """The disk fills while a sweep appends its rows: a clear error that says the rows so far are kept and how to
+    resume (it was a raw OSError traceback); the rows written before are whole."""
+    model, samples, kwargs = _sweep_setup(tiny_tokenizer, tmp_path / "sweep")
+    run_sweep(model, tiny_tokenizer, samples[:1], _score, **kwargs)
+    before = (tmp_path / "sweep" / "results.jsonl").read_bytes()
+    full_disk()
+    with pytest.raises(CriticalKVError, match="No space left on device; the rows written so far are kept"):
+        run_sweep(model, tiny_tokenizer, samples, _score, **kwargs)
+    assert (tmp_path / "sweep" / "results.jsonl").read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(b"\x89PNG\r\n\x1a\n\x00\x00\xff", "is not UTF-8 text"), (b"", "is empty"), (b" \n\n ", "is empty")],
+)
+def test_a_binary_or_empty_context_file_is_refused_before_loading(no_model, tmp_path, content, message):
+    """A binary --context-file gave a raw UnicodeDecodeError, an empty one was answered without a word."""
+    path = tmp_path / "context.txt"
+    path.write_bytes(content)
+    _refused(["run", "--context-file", str(path), "--question", "what?"], f"--context-file {path} {message}")
+
+
+def test_a_longbench_line_with_a_bad_byte_is_named(tmp_path):
+    record = {"input": "Who?", "context": "A fox.", "answers": ["fox"], "length": 2, "dataset": "hotpotqa"}
+    record |= {"language": "en", "all_classes": None, "_id": "hotpotqa-0"}
+    line = json.dumps(record).encode()
+    path = tmp_path / "hotpotqa.jsonl"
+    path.write_bytes(line + b"\n" + line.replace(b"A fox", b"A f\xe9x") + b"\n")
+    with pytest.raises(CriticalKVError, match=re.escape(f"{path}, line 2: not UTF-8 text (byte 0xe9")):
+        load_longbench(path)

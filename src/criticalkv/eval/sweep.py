@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -193,14 +194,20 @@ def run_sweep(
                     batch_answers,
                     raw_predictions,
                 )
-                if unrecorded is not None:  # with the first row: a run that fails before leaves no settings
-                    _record_settings(out_dir, unrecorded)
-                    unrecorded = None
-                if layout.is_main and not rows:  # what each method name means, with this run's first rows
-                    method_record.record(out_dir, described)
-                for row in sample_rows:
-                    sink.write(json.dumps(asdict(row)) + "\n")
-                sink.flush()
+                try:
+                    if unrecorded is not None:  # with the first row: a run that fails before leaves no settings
+                        _record_settings(out_dir, unrecorded)
+                        unrecorded = None
+                    if layout.is_main and not rows:  # what each method name means, with this run's first rows
+                        method_record.record(out_dir, described)
+                    for row in sample_rows:
+                        sink.write(json.dumps(asdict(row)) + "\n")
+                    sink.flush()
+                except OSError as error:  # a full disk: the rows written before are whole (a cut line is dropped)
+                    raise CriticalKVError(
+                        f"cannot write {error.filename or path}: {error.strerror}; the rows written so far are kept: "
+                        "make room and run the same command again to resume"
+                    ) from None
                 rows.extend(sample_rows)
                 advance(f"{sample.task} #{sample.index}")
         return rows
@@ -312,11 +319,14 @@ def check_out_folder(path: Path) -> None:
 
 
 def _out_folder_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be (or become) a folder; None when it can. The nearest existing path must be a folder."""
+    """Why ``path`` cannot be (or become) a folder criticalkv writes; None when it can. The nearest existing path must
+    be a folder this process may write in."""
     for existing in (path, *path.parents):
         if not existing.exists():
             continue
         if existing.is_dir():
+            if not os.access(existing, os.W_OK | os.X_OK):
+                return f"--out {path}: cannot write in {existing} (permission denied): give a folder you can write to"
             return None
         if existing == path:
             return f"--out {path} is a file, not a folder: give a folder (new, or a sweep's to resume it)"

@@ -105,6 +105,16 @@ class ContextSession:
     method, budget, options
         As in ``criticalkv.compress``; ``"full"`` (or budget 1.0) keeps the full cache for comparison.
 
+    Attributes
+    ----------
+    prefill_seconds
+        Wall-clock time of the latest prefill's forward, compression included (a ``SharedPrefill``'s session: the
+        one shared forward, every target's compression included).
+    compress_cpu_seconds
+        Process CPU time spent scoring, selecting and compressing this session's cache inside that prefill (host
+        time: GPU kernels still running are not in it; 0 for the full cache; a ``SharedPrefill`` target whose
+        scorer equals an earlier target's reuses its scores, which count with the earlier target).
+
     Notes
     -----
     Question-agnostic use: ``prefill(context)``, then ``ask(question)`` as often as needed; the question's
@@ -124,18 +134,28 @@ class ContextSession:
         self.cache: Cache | None = None
         self.mask: torch.Tensor | None = None  # (b, seen) logical attention mask of the cached tokens
         self.context_length = 0
+        self.prefill_seconds = self.compress_cpu_seconds = float("nan")  # until a prefill
 
     @classmethod
     def from_cache(
-        cls, model: PreTrainedModel, compressor: Compressor, cache: Cache, mask: torch.Tensor, last_logits: torch.Tensor
+        cls,
+        model: PreTrainedModel,
+        compressor: Compressor,
+        cache: Cache,
+        mask: torch.Tensor,
+        last_logits: torch.Tensor,
+        prefill_seconds: float = float("nan"),
+        compress_cpu_seconds: float = float("nan"),
     ) -> ContextSession:
-        """A session over a cache another component prefilled (``SharedPrefill``)."""
+        """A session over a cache another component prefilled (``SharedPrefill``), with that prefill's timings
+        (NaN: not measured)."""
         session = cls.__new__(cls)
         session.model, session.compressor, session.cache = model, compressor, cache
         session.mask = session.mask_with_pending = mask
         session.context_length = mask.shape[1]
         session.last_logits = last_logits
-        session.prefill_seconds = float("nan")
+        session.prefill_seconds = prefill_seconds
+        session.compress_cpu_seconds = compress_cpu_seconds
         return session
 
     @classmethod
@@ -157,7 +177,8 @@ class ContextSession:
         cache = CompressedCache.stack([s.cache for s in sessions])
         mask = torch.cat([s.mask for s in sessions])  # (rows, t)
         last = torch.cat([s.last_logits for s in sessions])  # (rows, vocab)
-        return cls.from_cache(first.model, first.compressor, cache, mask, last)
+        seconds = sum(s.compress_cpu_seconds for s in sessions)
+        return cls.from_cache(first.model, first.compressor, cache, mask, last, first.prefill_seconds, seconds)
 
     # --- phases ------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -186,6 +207,7 @@ class ContextSession:
             self.cache = None  # a half-filled context: the next ask refuses it rather than answering on it
             raise
         self.prefill_seconds = time.perf_counter() - start
+        self.compress_cpu_seconds = self.compressor.compress_cpu_seconds if self.compressor is not None else 0.0
         self.context_length = input_ids.shape[1]
         self.cache.crop(0)  # sliding layers trim back to their window now that the context is in
         release_views(self.cache.layers)  # ... and their window stops holding the whole prompt's storage
@@ -197,15 +219,17 @@ class ContextSession:
         self,
         question_ids: torch.Tensor | None = None,
         max_new_tokens: int = 32,
-        eos_token_id: int | list[int] | None = None,
+        eos_token_id: int | list[int] | str | None = "model",
         question_mask: torch.Tensor | None = None,
         min_new_tokens: int = 0,
     ) -> Generation:
         """Greedy answer to question_ids (b, q) appended to the context (None: answer the prefilled prompt).
 
-        A row ends at its first token of ``eos_token_id``; the first ``min_new_tokens`` tokens are never one of
-        them (their logits are -inf there, as under transformers' ``min_new_tokens`` / ``min_length``). The cache
-        is trimmed back to the context afterwards, so the next question sees the same context.
+        A row ends at its first token of ``eos_token_id``: by default (``"model"``) the model's own end-of-sequence
+        tokens (``generation_config.eos_token_id``, where ``generate`` stops too); None runs to ``max_new_tokens``.
+        The first ``min_new_tokens`` tokens are never one of them (their logits are -inf there, as under transformers'
+        ``min_new_tokens`` / ``min_length``). The cache is trimmed back to the context afterwards, so the next
+        question sees the same context.
         """
         if self.cache is None:
             raise CacheStateError("call prefill(context) first")
@@ -215,6 +239,8 @@ class ContextSession:
             raise CriticalKVError(
                 f"max_new_tokens and min_new_tokens must be >= 0, got {max_new_tokens}, {min_new_tokens}"
             )
+        if isinstance(eos_token_id, str) and eos_token_id == "model":
+            eos_token_id = self.model.generation_config.eos_token_id
         stops = _stop_tokens(eos_token_id)
         try:  # an interrupted answer (Ctrl-C, out of memory) must not leave its tokens in the cache
             return self._answer(question_ids, question_mask, max_new_tokens, min_new_tokens, stops)
