@@ -27,7 +27,6 @@ from criticalkv.errors import (
     CacheStateError,
     CriticalKVError,
     MethodOptionError,
-    PaddingError,
     UnknownMethodError,
     UnreadableFileError,
     UnsupportedModelError,
@@ -342,19 +341,31 @@ def _batched_questions(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, 
 
 @pytest.mark.parametrize("family", ["gemma3", "ministral"])
 @pytest.mark.parametrize("method", ["full", "snapkv"])
-def test_padded_questions_that_reach_into_a_sliding_window_are_refused(family, method):
-    """Questions of different lengths asked together on a sliding window the padding reaches into: refused (the
-    padding took slots of the window, and the rows answered from another context than alone)."""
+@pytest.mark.parametrize("eos", [None, "stop"])
+def test_padded_questions_that_reach_into_a_sliding_window_answer_as_alone(family, method, eos):
+    """Questions of different lengths asked together on a sliding window the padding reaches into: each row answers
+    as it does alone (the padding took slots of the window and pushed real tokens out: other answers)."""
     model = _sliding_model(family, window=16)
-    context = _ids(24, seed=1).expand(2, -1)
-    ids, mask, _ = _batched_questions([7, 2])
+    context = _ids(24, seed=1)
+    ids, mask, alone = _batched_questions([7, 2, 7, 4])
+    answers = []
+    for question in alone:
+        solo = ContextSession(model, method, 0.5)
+        solo.prefill(context)
+        answers.append(solo.ask(question, max_new_tokens=6, eos_token_id=None).tokens[0])
+    stop = int(answers[1][2]) if eos else None  # the second row ends early, the others may not
     session = ContextSession(model, method, 0.5)
-    session.prefill(context)
-    with pytest.raises(PaddingError, match="sliding-window"):
-        session.ask(ids, max_new_tokens=4, question_mask=mask)
-    solo = ContextSession(model, method, 0.5)  # each row alone, or rows of one length, are answered as before
-    solo.prefill(context[:1])
-    solo.ask(ids[:1], max_new_tokens=4)
+    session.prefill(context.expand(4, -1))
+    before = session.kv_entries()
+    batched = session.ask(ids, max_new_tokens=6, question_mask=mask, eos_token_id=stop)
+    for row, answer in enumerate(answers):
+        if stop is not None and bool((answer == stop).any()):
+            end = int((answer == stop).nonzero()[0]) + 1
+            answer = torch.cat([answer[:end], answer.new_full((6 - end,), stop)])[: batched.tokens.shape[1]]
+        assert torch.equal(batched.tokens[row], answer), row
+    assert session.kv_entries() == before  # the session's own cache is untouched
+    again = session.ask(ids, max_new_tokens=6, question_mask=mask, eos_token_id=stop)
+    assert torch.equal(again.tokens, batched.tokens)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "ministral"])

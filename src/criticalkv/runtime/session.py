@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import operator
 import time
 import warnings
@@ -242,6 +243,11 @@ class ContextSession:
         if isinstance(eos_token_id, str) and eos_token_id == "model":
             eos_token_id = self.model.generation_config.eos_token_id
         stops = _stop_tokens(eos_token_id)
+        if question_ids is not None and question_ids.shape[1]:
+            question_mask = torch.ones_like(question_ids) if question_mask is None else question_mask
+            _check_question(question_ids, question_mask, self.mask.shape[0])
+            if self._padding_reaches_a_window(question_mask, max_new_tokens):
+                return self._by_question_length(question_ids, question_mask, max_new_tokens, min_new_tokens, stops)
         try:  # an interrupted answer (Ctrl-C, out of memory) must not leave its tokens in the cache
             return self._answer(question_ids, question_mask, max_new_tokens, min_new_tokens, stops)
         finally:
@@ -260,10 +266,7 @@ class ContextSession:
         if question_ids is None or question_ids.shape[1] == 0:
             logits = self.last_logits
         else:
-            q_mask = torch.ones_like(question_ids) if question_mask is None else question_mask
-            _check_question(question_ids, q_mask, self.mask.shape[0])
-            self._refuse_padding_in_a_window(q_mask, max_new_tokens)
-            logits = self._forward(question_ids, torch.cat([self.mask, q_mask], dim=1))
+            logits = self._forward(question_ids, torch.cat([self.mask, question_mask], dim=1))
         first = time.perf_counter() - start
         result = Generation(torch.empty(logits.shape[0], 0, dtype=torch.long, device=logits.device), first)
         eos = torch.tensor(stops, dtype=torch.long, device=logits.device)
@@ -285,22 +288,58 @@ class ContextSession:
             result.decode_seconds.append(time.perf_counter() - tick)
         return result
 
-    def _refuse_padding_in_a_window(self, question_mask: torch.Tensor, max_new_tokens: int) -> None:
-        """Refuse a padded question (rows of different lengths, (b, q)) on sliding-window layers whose window the
-        padding reaches into. Such a layer's window spans cache slots, not tokens: the padding between the context
-        and a short question takes slots of the window and pushes real tokens out of it, so the row would answer
-        from another context than alone (a first-step logit 0.35 away from the solo run's, window 16)."""
+    def _padding_reaches_a_window(self, question_mask: torch.Tensor, max_new_tokens: int) -> bool:
+        """Whether a padded question (rows of different lengths, mask (b, q)) would put padding inside the window of a
+        sliding-window layer. Such a window spans cache slots, not tokens: the padding between the context and a
+        short question takes slots of the window and pushes real tokens out of it, so the row would answer from
+        another context than alone (a first-step logit 0.35 away from the solo run's, window 16). Within the window
+        (context, question and answer no longer than it) the padding is masked and pushes nothing out."""
         if bool(question_mask.bool().all()):
-            return
+            return False
         windows = [layer.sliding_window for layer in self.cache.layers if isinstance(layer, DynamicSlidingWindowLayer)]
         slots = self.mask.shape[1] + question_mask.shape[1] + max_new_tokens  # the cache's length at most
-        if windows and slots > min(windows):
-            raise PaddingError(
-                f"the questions' rows differ in length, and this model's sliding-window layers (window "
-                f"{min(windows)}) would count the padding between context and question as tokens of their window "
-                "(the answers would differ from each row's own): ask questions of one length together, or one at a "
-                "time"
-            )
+        return bool(windows) and slots > min(windows)
+
+    def _by_question_length(
+        self,
+        question_ids: torch.Tensor,
+        question_mask: torch.Tensor,
+        max_new_tokens: int,
+        min_new_tokens: int,
+        stops: list[int],
+    ) -> Generation:
+        """Answer questions of different lengths (ids and mask (b, q), left-padded) in batches of one length each, so
+        no padding falls between context and question (``_padding_reaches_a_window``). Each batch decodes on a copy
+        of its rows' cache; the session's own cache is left as it is. A batch that ends early (every row at an
+        end-of-sequence token) is filled with the first of them, as a finished row is; the timings are the
+        batches' together."""
+        lengths = question_mask.bool().sum(-1)  # (b,)
+        parts = []
+        for length in lengths.unique().tolist():
+            rows = (lengths == length).nonzero().flatten()  # (g,)
+            part = self._rows(rows)
+            question = question_ids[rows, -length:]  # (g, length): no padding left
+            generation = part._answer(question, torch.ones_like(question), max_new_tokens, min_new_tokens, stops)
+            parts.append((rows, generation))
+        width = max(generation.tokens.shape[1] for _, generation in parts)
+        tokens = question_ids.new_full((question_ids.shape[0], width), stops[0] if stops else 0)  # (b, n)
+        result = Generation(tokens, 0.0)
+        for rows, generation in parts:
+            tokens[rows, : generation.tokens.shape[1]] = generation.tokens
+            result.prefill_seconds += generation.prefill_seconds
+            result.decode_seconds += generation.decode_seconds
+        return result
+
+    def _rows(self, rows: torch.Tensor) -> ContextSession:
+        """A session over a copy of the context's ``rows`` (g,): its cache, mask and last logits."""
+        part = ContextSession.__new__(ContextSession)
+        part.model, part.compressor, part.context_length = self.model, self.compressor, self.context_length
+        part.cache = copy.deepcopy(self.cache)
+        part.cache.batch_select_indices(rows)
+        part.mask = part.mask_with_pending = self.mask[rows]
+        part.last_logits = self.last_logits[rows]
+        part.prefill_seconds, part.compress_cpu_seconds = self.prefill_seconds, self.compress_cpu_seconds
+        return part
 
     def rewind(self) -> None:
         """Drop everything appended after the context (question and answer tokens) and give back the memory
