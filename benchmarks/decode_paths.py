@@ -77,7 +77,7 @@ def main() -> None:
         for label, session in sessions.items():
             os.environ[ATTENTION_ENV_VAR] = label if label != FULL else "auto"
             start = time.thread_time()
-            generation = session.ask(None, max_new_tokens=args.decode_tokens)  # no eos: every token decoded
+            generation = session.ask(None, max_new_tokens=args.decode_tokens, eos_token_id=None)  # every token decoded
             cpu[label].append((time.thread_time() - start) / len(generation.decode_seconds))
             times[label].extend(generation.decode_seconds)
             tokens[label] = generation.tokens

@@ -66,7 +66,7 @@ SHAPES = {
 
 def build_model(shape: str, device: torch.device) -> torch.nn.Module:
     """A bfloat16 model of a named shape, or of a ``config.json`` (a file or the folder holding it)."""
-    config = SHAPES[shape]() if shape in SHAPES else AutoConfig.from_pretrained(shape)
+    config = SHAPES[shape]() if shape in SHAPES else AutoConfig.from_pretrained(shape, trust_remote_code=False)
     torch.manual_seed(0)
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")

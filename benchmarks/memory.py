@@ -48,7 +48,7 @@ def measure(model_name: str, method: str, budget: str, tokens: int, decode_token
     kv_bytes = session.kv_bytes()
     compressed = [layer for layer in session.cache.layers if isinstance(layer, CompressedLayer) and layer.is_compressed]
     bookkeeping = sum(layer.lengths.nbytes for layer in compressed)
-    generation = session.ask(None, max_new_tokens=decode_tokens)  # no eos: always decode_tokens tokens
+    generation = session.ask(None, max_new_tokens=decode_tokens, eos_token_id=None)  # always decode_tokens tokens
     above = peak_memory_above(CPU, start_memory)["peak_rss_above_start_bytes"]
     return {
         "method": method,

@@ -50,7 +50,9 @@ def main() -> None:
                 if session.compressor is not None:
                     session.compressor.record_keep = True
                 session.prefill(ids)
-                answer = tokenizer.decode(session.ask(None, args.answer_tokens).tokens[0], skip_special_tokens=True)
+                answer = tokenizer.decode(
+                    session.ask(None, args.answer_tokens, eos_token_id=None).tokens[0], skip_special_tokens=True
+                )
                 shares = None
                 if session.compressor is not None:
                     keep = torch.stack([r.keep[0] for r in session.compressor.records])  # (layers, h_kv, t)

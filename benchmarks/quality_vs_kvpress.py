@@ -73,7 +73,7 @@ def prepared_items(args: argparse.Namespace, folder: Path, tokenizer) -> tuple[l
             f"{args.out} holds answers ({', '.join(answers)}) to the samples of other settings ({stored}, now "
             f"{settings}): use another --out"
         )
-    max_length = getattr(AutoConfig.from_pretrained(folder), "max_position_embeddings", None)
+    max_length = getattr(AutoConfig.from_pretrained(folder, trust_remote_code=False), "max_position_embeddings", None)
     samples = round_robin_samples(tokenizer, args.samples, args.length, args.seed, max_length)
     items = []
     for sample in samples:
@@ -278,7 +278,7 @@ def main() -> None:
         raise SystemExit(f"no kvpress environment at {VENV}: run benchmarks/kvpress/setup_kvpress_env.sh")
 
     folder = resolve_model_folder(args.model) if args.model in PRESETS else Path(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     args.out.mkdir(parents=True, exist_ok=True)
     items, samples = prepared_items(args, folder, tokenizer)
     eos = {tokenizer.eos_token_id}

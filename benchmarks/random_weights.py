@@ -35,7 +35,7 @@ def write_random_model(
         raise SystemExit(f"{source} holds no config.json")
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"{out} exists and is not empty")
-    config = AutoConfig.from_pretrained(source)
+    config = AutoConfig.from_pretrained(source, trust_remote_code=False)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -387,10 +387,10 @@ def main() -> None:
     if "kvpress" in systems and not (VENV / "bin/python").exists():
         raise SystemExit(f"no kvpress environment at {VENV}: run benchmarks/kvpress/setup_kvpress_env.sh")
     folder = resolve_model_folder(args.model) if args.model in PRESETS else Path(args.model)
-    limit = getattr(AutoConfig.from_pretrained(folder), "max_position_embeddings", None)
+    limit = getattr(AutoConfig.from_pretrained(folder, trust_remote_code=False), "max_position_embeddings", None)
     if limit is not None and max(lengths) > limit:
         raise SystemExit(f"length {max(lengths)} exceeds the model's {limit} positions")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
     runs: list[dict] = json.loads(args.out.read_text())["runs"] if args.resume and args.out.exists() else []
     done = {(r["repeat"], r["length"], r["method"], r["system"]) for r in runs}

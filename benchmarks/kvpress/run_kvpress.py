@@ -82,7 +82,9 @@ def load_model(args, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation=args.attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=dtype, attn_implementation=args.attn_implementation, trust_remote_code=False
+    )
     model = model.to(device).eval()
     lm = model.model.language_model if hasattr(model.model, "language_model") else model.model
     return model, lm, fill_config_head_dim(lm)
@@ -244,7 +246,7 @@ def main(argv=None):
     T = input_ids.shape[1]
 
     t0 = time.perf_counter()
-    config = AutoConfig.from_pretrained(args.model)
+    config = AutoConfig.from_pretrained(args.model, trust_remote_code=False)
     model, lm, patched_head_dim = load_model(args)
     t_load = time.perf_counter() - t0
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 from dataclasses import asdict, dataclass
@@ -23,6 +22,7 @@ from criticalkv.distributed import launch
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.commands import ModeOption, at_least, parse_numbers, regime_line, regime_of, split_items
 from criticalkv.eval.commands import app as eval_app
+from criticalkv.files import write_json
 from criticalkv.methods import PRESETS, build_method, parse_option_value
 from criticalkv.models.families import SUPPORTED_FAMILIES, check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, list_presets, load_notes
@@ -121,13 +121,31 @@ def _document(tokenizer, context_file: Path | None, questions: list[str], contex
     answer prefix, or the user's questions as asked, with no expected answer (the needle's prefix would answer the
     needle's question instead)."""
     if context_file is not None:
-        return context_file.read_text(), [(q, None, "") for q in questions]
+        return read_context(context_file), [(q, None, "") for q in questions]
     from criticalkv.eval.needle import build_needle_sample
 
     sample = build_needle_sample(tokenizer, context_tokens, depth=depth, seed=seed)
     if questions:
         return sample.context, [(q, None, "") for q in questions]
     return sample.context, [(sample.question, sample.answer, sample.answer_prefix)]
+
+
+def read_context(path: Path) -> str:
+    """The text of a ``--context-file``: refused if it is not a file, not UTF-8 text, or empty."""
+    if not path.is_file():
+        raise CriticalKVError(f"--context-file {path} is not a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise CriticalKVError(
+            f"--context-file {path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}): "
+            "give a text file"
+        ) from None
+    except OSError as error:
+        raise CriticalKVError(f"cannot read --context-file {path}: {error.strerror}") from None
+    if not text.strip():
+        raise CriticalKVError(f"--context-file {path} is empty: the context must have some text")
+    return text
 
 
 NEEDLE_TOKENS, NEEDLE_DEPTH = 4096, 0.5  # run's generated needle prompt, without --context-file
@@ -212,8 +230,8 @@ def _run(
     built = [build_method(name, **options) for name in methods_[1:]]  # a bad name or option fails before the load
     if json_path is not None:
         _writable(json_path)
-    if context_file is not None and not context_file.is_file():
-        raise CriticalKVError(f"--context-file {context_file} is not a file")
+    if context_file is not None:
+        read_context(context_file)  # a missing, empty or binary file is refused before the model loads
     if context_file is not None and not questions:
         raise CriticalKVError("--context-file needs at least one --question")
     if context_file is not None and (context_tokens is not None or depth is not None or seed is not None):
@@ -315,7 +333,10 @@ def _run(
             "machine": platform.processor() or platform.machine(),
             "results": [asdict(r) for r in results],
         }
-        json_path.write_text(json.dumps(report, indent=2))
+        try:
+            write_json(json_path, report, indent=2)
+        except OSError as error:  # a full disk: the old file, if any, is left whole
+            raise CriticalKVError(f"cannot write {json_path}: {error.strerror}") from None
         console.print(f"wrote {json_path}")
 
 

@@ -1,5 +1,8 @@
 """Errors raised by criticalkv. All derive from ``CriticalKVError`` (itself a ``ValueError``)."""
 
+import difflib
+from collections.abc import Iterable
+
 
 class CriticalKVError(ValueError):
     """Base class of every error criticalkv raises on bad input."""
@@ -32,3 +35,14 @@ class PaddingError(CriticalKVError):
 
 class CacheStateError(CriticalKVError):
     """A cache used in a way its state does not allow (e.g. cropping into the compressed context)."""
+
+
+class UnreadableFileError(CriticalKVError):
+    """A file criticalkv reads back (a sweep folder's ``sweep.json`` or ``methods.json``, a saved report) that is
+    missing its content, not UTF-8 or not JSON: the message names the file and what to do."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` Did you mean 'snapkv'?`` for a ``word`` close to one of ``choices`` (a typo), else ''."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" Did you mean '{close[0]}'?" if close else ""

@@ -16,7 +16,7 @@ from criticalkv.allocators import (
     PyramidAllocator,
     UniformAllocator,
 )
-from criticalkv.errors import CriticalKVError, MethodOptionError, UnknownMethodError
+from criticalkv.errors import CriticalKVError, MethodOptionError, UnknownMethodError, did_you_mean
 from criticalkv.runtime.method import Method
 from criticalkv.scorers import (
     DefensiveScorer,
@@ -211,7 +211,7 @@ def build_method(name: str, **options: object) -> Method | None:
     options = {**spec_options, **options}
     preset = PRESETS.get(name)
     if preset is None:
-        raise UnknownMethodError(f"unknown method {name!r}; choose one of: {', '.join(PRESETS)}")
+        raise UnknownMethodError(f"unknown method {name!r}.{did_you_mean(name, PRESETS)} Methods: {', '.join(PRESETS)}")
     if preset.build is None:
         if options:
             raise UnknownMethodError(f"method 'full' takes no options, got {sorted(options)}")
@@ -223,7 +223,8 @@ def build_method(name: str, **options: object) -> Method | None:
         if not owners:
             valid = sorted({f.name for obj in pieces.values() for f in dataclasses.fields(obj)})
             raise UnknownMethodError(
-                f"method {name!r} has no option {key!r}; its options: {', '.join(valid) or 'none'}"
+                f"method {name!r} has no option {key!r}.{did_you_mean(key, valid)} "
+                f"Its options: {', '.join(valid) or 'none'}"
             )
         for owner in owners:
             try:

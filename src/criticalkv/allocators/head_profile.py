@@ -20,6 +20,7 @@ from transformers import PretrainedConfig
 
 from criticalkv.core.paths import cache_root
 from criticalkv.errors import CriticalKVError
+from criticalkv.files import write_json
 from criticalkv.models.families import head_dim, text_config
 
 FORMAT = "criticalkv-head-profile/1"
@@ -186,7 +187,7 @@ class HeadProfile:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
+        write_json(path, self.to_dict(), indent=1)
         return path
 
     @classmethod

@@ -38,6 +38,7 @@ from criticalkv.budget import Budget
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.commands import split_items
 from criticalkv.eval.report import file_stem
+from criticalkv.files import write_json
 from criticalkv.methods import build_method
 from criticalkv.models.families import check_length
 from criticalkv.models.presets import DEVICE_HELP, DTYPE_HELP
@@ -232,7 +233,7 @@ def resummarise(path: Path, pairs: str | None = None, plots: bool = True, out: P
     pair_list = parse_pairs(pairs, names) if pairs else [tuple(p) for p in meta["pairs"]]
     meta["pairs"] = pair_list
     data["summary"] = _clean(summarise(results, names, labels, pair_list, meta["kv_heads"]))
-    Path(path).write_text(json.dumps(data))
+    write_json(Path(path), data)
     out = Path(path).parent if out is None else out
     out.mkdir(parents=True, exist_ok=True)
     if plots:
@@ -491,10 +492,10 @@ def run_analysis(
                 results.append(result)
                 del captured
                 meta["seconds"] = time.perf_counter() - started
-                path.write_text(json.dumps(_payload(meta, results, names, labels, pair_list, h_kv, exhaustive)))
+                write_json(path, _payload(meta, results, names, labels, pair_list, h_kv, exhaustive))
     meta["seconds"] = time.perf_counter() - started
     payload = _payload(meta, results, names, labels, pair_list, h_kv, exhaustive)
-    path.write_text(json.dumps(payload))
+    write_json(path, payload)
     if results:
         if plots:
             _plots(out, results, payload["summary"], names, labels, pair_list)

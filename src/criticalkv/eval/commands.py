@@ -3,8 +3,8 @@ sample."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -14,9 +14,10 @@ import typer
 
 from criticalkv.budget import Budget
 from criticalkv.distributed import launch
-from criticalkv.errors import CriticalKVError
+from criticalkv.errors import CriticalKVError, did_you_mean
 from criticalkv.eval.report import HEATMAP_PREFIX, file_stem, write_report
 from criticalkv.eval.sweep import REGIMES, check_out_folder, load_rows, pair_label, run_sweep, stored_settings
+from criticalkv.files import write_json
 from criticalkv.methods import build_method
 from criticalkv.models.families import check_length
 from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, as_dtype, load_notes
@@ -155,6 +156,21 @@ def _is_dtype_word(word: str, dtype: Any) -> bool:
         return False
 
 
+@contextmanager
+def _resume_hint(folder: Path) -> Iterator[None]:
+    """Ctrl-C in a sweep: say that the same command resumes it (the rows answered so far are on disk), and exit 130
+    as an interrupted command does."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if launch.is_main_process():
+            console.print(
+                f"interrupted: the answers so far are in {folder / 'results.jsonl'}; run the same command again to "
+                "resume where it stopped"
+            )
+        raise typer.Exit(130) from None
+
+
 def _fail(error: Exception) -> None:
     print_error(console, error)
     raise typer.Exit(2) from None
@@ -198,7 +214,10 @@ def ruler(
         chosen = split_items(tasks, "--tasks") or list(ruler_data.TASKS)
         unknown = [t for t in chosen if t not in ruler_data.TASKS]
         if unknown:
-            raise CriticalKVError(f"unknown RULER task(s) {unknown}; tasks: {', '.join(ruler_data.TASKS)}")
+            raise CriticalKVError(
+                f"unknown RULER task(s) {unknown}.{did_you_mean(unknown[0], ruler_data.TASKS)} "
+                f"Tasks: {', '.join(ruler_data.TASKS)}"
+            )
         parsed = _budgets(budgets)
         names, built = _methods(methods)
         regime = regime_of(mode, question_aware)
@@ -227,28 +246,29 @@ def ruler(
         loaded, tokenizer = _load(model, dtype, device, built, prepare)
 
         budget_of = _capped(lambda sample: ruler_data.TOKENS_TO_GENERATE[sample.task], max_new_tokens)
-        run_sweep(
-            loaded,
-            tokenizer,
-            every,
-            ruler_data.score,
-            names,
-            parsed,
-            regime,
-            folder,
-            budget_of,
-            total=len(chosen) * samples,
-            batch_answers=batch_answers,
-            settings={
-                "benchmark": "ruler",
-                "model": model,
-                "length": length,
-                "seed": seed,
-                "max_new_tokens": max_new_tokens,
-                **({"reserve_answer": True} if reserve_answer else {}),  # absent: the folders made before it
-                **_dtype_setting(folder, loaded, dtype),
-            },
-        )
+        with _resume_hint(folder):
+            run_sweep(
+                loaded,
+                tokenizer,
+                every,
+                ruler_data.score,
+                names,
+                parsed,
+                regime,
+                folder,
+                budget_of,
+                total=len(chosen) * samples,
+                batch_answers=batch_answers,
+                settings={
+                    "benchmark": "ruler",
+                    "model": model,
+                    "length": length,
+                    "seed": seed,
+                    "max_new_tokens": max_new_tokens,
+                    **({"reserve_answer": True} if reserve_answer else {}),  # absent: the folders made before it
+                    **_dtype_setting(folder, loaded, dtype),
+                },
+            )
     except CriticalKVError as error:
         _fail(error)
     if launch.is_main_process():
@@ -319,27 +339,28 @@ def needle(
             )
             for i, c in enumerate(cells)
         ]
-        run_sweep(
-            loaded,
-            tokenizer,
-            items,
-            lambda s, p: 100.0 * (s.answer in p),
-            names,
-            parsed,
-            regime,
-            folder,
-            lambda s: 16,
-            total=len(items),
-            batch_answers=batch_answers,
-            # a sample's index is its cell in the lengths x depths grid
-            settings={
-                "benchmark": "needle",
-                "model": model,
-                **grid,
-                "seed": seed,
-                **_dtype_setting(folder, loaded, dtype),
-            },
-        )
+        with _resume_hint(folder):
+            run_sweep(
+                loaded,
+                tokenizer,
+                items,
+                lambda s, p: 100.0 * (s.answer in p),
+                names,
+                parsed,
+                regime,
+                folder,
+                lambda s: 16,
+                total=len(items),
+                batch_answers=batch_answers,
+                # a sample's index is its cell in the lengths x depths grid
+                settings={
+                    "benchmark": "needle",
+                    "model": model,
+                    **grid,
+                    "seed": seed,
+                    **_dtype_setting(folder, loaded, dtype),
+                },
+            )
     except CriticalKVError as error:
         _fail(error)
     if not launch.is_main_process():
@@ -353,8 +374,10 @@ def needle(
         path = folder / f"{HEATMAP_PREFIX}{file_stem(label)}.png"  # the spec's ':', '=', '/' and the '@' as '_'
         plot_heatmap(scores, path, f"{label} · {Path(model).name} · question-{regime}")
         console.print(f"wrote {path}")
-    (folder / "heatmaps.json").write_text(
-        json.dumps({label: {f"{k[0]}@{k[1]}": v for k, v in s.items()} for label, s in grids.items()}, indent=2)
+    write_json(
+        folder / "heatmaps.json",
+        {label: {f"{k[0]}@{k[1]}": v for k, v in s.items()} for label, s in grids.items()},
+        indent=2,
     )
     console.print(f"wrote {write_report(folder)}")  # scores and loss against the full cache, as eval ruler writes
 
@@ -406,33 +429,35 @@ def longbench(
         loaded, tokenizer = _load(model, dtype, device, built, prepare)
 
         budget_of = _capped(lambda item: longbench_data.max_new_tokens(item.sample.dataset), max_new_tokens)
-        run_sweep(
-            loaded,
-            tokenizer,
-            items,
-            longbench_run.score_item,
-            names,
-            parsed,
-            regime,
-            folder,
-            budget_of,
-            total=len(items),
-            batch_answers=batch_answers,
-            settings={
-                "benchmark": "longbench",
-                # 2: ids of the whole prompt, samsum ends at a line break; 3: other datasets end at the model's
-                # end-of-sequence tokens; a folder of another protocol is not resumed (its rows would mix with these)
-                "protocol": longbench_run.PROTOCOL,
-                "model": model,
-                "data": str(data.resolve()),
-                "max_length": max_length,
-                "max_new_tokens": max_new_tokens,
-                **_dtype_setting(folder, loaded, dtype),
-            },
-            encode=lambda item: (item.prefix_ids, item.suffix_ids),
-            stop=partial(longbench_run.stop_rule, tokenizer, loaded.generation_config.eos_token_id),
-            raw_predictions=True,  # THUDM scores the decoded text as it is (a code line's indentation counts)
-        )
+        with _resume_hint(folder):
+            run_sweep(
+                loaded,
+                tokenizer,
+                items,
+                longbench_run.score_item,
+                names,
+                parsed,
+                regime,
+                folder,
+                budget_of,
+                total=len(items),
+                batch_answers=batch_answers,
+                settings={
+                    "benchmark": "longbench",
+                    # 2: ids of the whole prompt, samsum ends at a line break; 3: other datasets end at the
+                    # model's end-of-sequence tokens; a folder of another protocol is not resumed (its rows would
+                    # mix with these)
+                    "protocol": longbench_run.PROTOCOL,
+                    "model": model,
+                    "data": str(data.resolve()),
+                    "max_length": max_length,
+                    "max_new_tokens": max_new_tokens,
+                    **_dtype_setting(folder, loaded, dtype),
+                },
+                encode=lambda item: (item.prefix_ids, item.suffix_ids),
+                stop=partial(longbench_run.stop_rule, tokenizer, loaded.generation_config.eos_token_id),
+                raw_predictions=True,  # THUDM scores the decoded text as it is (a code line's indentation counts)
+            )
     except CriticalKVError as error:
         _fail(error)
     if launch.is_main_process():

@@ -214,11 +214,17 @@ def load_longbench(path: str | Path) -> list[LongBenchSample]:
     if not path.is_file():
         raise CriticalKVError(f"LongBench file not found: {path}")
     samples: list[LongBenchSample] = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:  # decoded line by line: a bad byte is reported with its line
+        for number, raw in enumerate(handle, start=1):
+            where = f"{path}, line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise CriticalKVError(
+                    f"{where}: not UTF-8 text (byte {raw[error.start]:#04x} at column {error.start})."
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}, line {number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:

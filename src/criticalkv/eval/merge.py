@@ -9,6 +9,7 @@ from pathlib import Path
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval import method_record
 from criticalkv.eval.sweep import SETTINGS_FILE, Row, budget_id, check_out_folder, load_rows, stored_settings
+from criticalkv.files import write_atomic, write_json
 
 
 def merge_sweeps(folders: list[Path], out: Path, methods: list[str] | None = None) -> int:
@@ -57,9 +58,9 @@ def merge_sweeps(folders: list[Path], out: Path, methods: list[str] | None = Non
     if missing:
         raise CriticalKVError(f"no rows of {missing} in {', '.join(map(str, folders))}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.jsonl").write_text("".join(json.dumps(asdict(row)) + "\n" for row, _ in rows.values()))
+    write_atomic(out / "results.jsonl", "".join(json.dumps(asdict(row)) + "\n" for row, _ in rows.values()))
     if settings:
-        (out / SETTINGS_FILE).write_text(json.dumps(next(iter(settings.values())), indent=2) + "\n")
+        write_json(out / SETTINGS_FILE, next(iter(settings.values())), indent=2)
     if configurations:
         method_record.record(out, configurations)
     return len(rows)

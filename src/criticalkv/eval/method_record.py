@@ -8,10 +8,10 @@ is refused.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from criticalkv.errors import CriticalKVError
+from criticalkv.files import read_json, write_json
 from criticalkv.methods import build_method
 
 METHODS_FILE = "methods.json"
@@ -25,7 +25,9 @@ def describe(methods: list[str]) -> dict[str, str]:
 def recorded(folder: Path) -> dict[str, str]:
     """The configurations a folder records ({} for a folder without ``methods.json``)."""
     path = folder / METHODS_FILE
-    return json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    return read_json(path, "the file is damaged (a run stopped while writing it, or a full disk): delete it to resume")
 
 
 def changed(stored: dict[str, str], described: dict[str, str]) -> list[str]:
@@ -49,7 +51,7 @@ def conflict(folder: Path, described: dict[str, str]) -> str | None:
 
 def record(folder: Path, described: dict[str, str]) -> None:
     """Add ``described`` to the folder's ``methods.json``."""
-    (folder / METHODS_FILE).write_text(json.dumps({**recorded(folder), **described}, indent=2, sort_keys=True) + "\n")
+    write_json(folder / METHODS_FILE, {**recorded(folder), **described}, indent=2, sort_keys=True)
 
 
 def merged(folders: list[Path]) -> dict[str, str]:

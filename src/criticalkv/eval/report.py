@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import json
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -13,6 +12,7 @@ from matplotlib.figure import Figure
 
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.sweep import Row, budget_id, is_count, load_rows, stored_settings
+from criticalkv.files import write_atomic, write_json
 from criticalkv.palette import distinct_colours
 
 HEATMAP_PREFIX = "heatmap_"  # eval needle's score maps, one per (method, budget): heatmap_<label>.png
@@ -123,7 +123,7 @@ def write_report(results_dir: Path, title: str = "") -> Path:
     (``HEATMAP_PREFIX``) are shown after the tables."""
     summary = summarise(load_rows(results_dir / "results.jsonl"))
     tasks = summary["tasks"]
-    (results_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json(results_dir / "summary.json", summary, indent=2)
     with (results_dir / "summary.csv").open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["regime", "method", "budget", *tasks, "mean", "loss"])
@@ -176,7 +176,7 @@ def write_report(results_dir: Path, title: str = "") -> Path:
     if heatmaps:
         lines += ["## Needle heatmaps", ""] + [f"![{image.stem}]({image.name})\n" for image in heatmaps]
     path = results_dir / "report.md"
-    path.write_text("\n".join(lines))
+    write_atomic(path, "\n".join(lines))
     return path
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -17,12 +18,14 @@ from pathlib import Path
 from typing import Protocol, TextIO
 
 import torch
+from filelock import FileLock, Timeout
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
 from criticalkv.core.layout import ParallelLayout
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
 from criticalkv.eval import method_record
+from criticalkv.files import read_json, write_atomic, write_json
 from criticalkv.progress import step_progress
 from criticalkv.prompts import encode_prompt
 from criticalkv.runtime.session import ContextSession
@@ -31,6 +34,7 @@ from criticalkv.runtime.shared_prefill import SharedPrefill
 REGIMES = ("agnostic", "aware")
 FULL_PAIR = ("full", "full", Budget(1.0))  # (label, method, budget): the reference every sweep answers
 SETTINGS_FILE = "sweep.json"  # a sweep folder's settings (``run_sweep``'s ``settings``)
+LOCK_FILE = ".sweep.lock"  # held by the sweep writing to the folder (``_lock_folder``)
 
 
 class IncompleteRowWarning(UserWarning):
@@ -149,55 +153,83 @@ def run_sweep(
         repeated = sorted({label for label in labels if labels.count(label) > 1})
         raise CriticalKVError(f"(method, budget) pairs given twice: {', '.join(repeated)}")
     layout = ParallelLayout.of(model)  # under torchrun every rank answers every sample; rank 0 writes
-    problem = None
-    if layout.is_main:
-        problem = _out_folder_problem(out_dir) or _settings_conflict(out_dir, settings)
-        problem = problem or method_record.conflict(out_dir, described)
-    conflict = layout.from_main(problem)
-    if conflict:
-        raise CriticalKVError(conflict)
-    path = out_dir / "results.jsonl"
-    done = layout.from_main(_answered(path, regime) if layout.is_main else None)
-    unrecorded = settings if layout.is_main and stored_settings(out_dir) is None else None  # until the first row
-    rows: list[Row] = []
-    encode = encode or partial(_chat_ids, tokenizer)
-    stop = stop or (lambda sample: StopRule(tokenizer.eos_token_id))
-    if layout.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    description = f"{regime} sweep, {len(pairs)} pairs"
-    with step_progress(description, total, enabled=layout.is_main) as advance, _sink(path, layout.is_main) as sink:
-        for sample in samples:
-            answered = done.get((sample.task, sample.index), set())
-            todo = [pair for pair in pairs if pair[0] not in answered]  # a resumed sweep's new pairs only
-            if not todo:
-                advance(f"{sample.task} #{sample.index} (on disk)", skipped=True)
-                continue
-            ids = encode(sample)
-            sample_rows = _answer(
-                model,
-                tokenizer,
-                sample,
-                ids,
-                score,
-                todo,
-                regime,
-                max_new_tokens(sample),
-                stop(sample),
-                layout,
-                batch_answers,
-                raw_predictions,
-            )
-            if unrecorded is not None:  # with the first row: a run that fails before leaves no settings
-                _record_settings(out_dir, unrecorded)
-                unrecorded = None
-            if layout.is_main and not rows:  # what each method name means, with this run's first rows
-                method_record.record(out_dir, described)
-            for row in sample_rows:
-                sink.write(json.dumps(asdict(row)) + "\n")
-            sink.flush()
-            rows.extend(sample_rows)
-            advance(f"{sample.task} #{sample.index}")
-    return rows
+    problem, lock = None, None
+    try:
+        if layout.is_main:
+            problem = _out_folder_problem(out_dir)
+            if problem is None:
+                lock, problem = _lock_folder(out_dir)
+            problem = problem or _settings_conflict(out_dir, settings) or method_record.conflict(out_dir, described)
+        conflict = layout.from_main(problem)
+        if conflict:
+            raise CriticalKVError(conflict)
+        path = out_dir / "results.jsonl"
+        done = layout.from_main(_answered(path, regime) if layout.is_main else None)
+        unrecorded = settings if layout.is_main and stored_settings(out_dir) is None else None  # until the first row
+        rows: list[Row] = []
+        encode = encode or partial(_chat_ids, tokenizer)
+        stop = stop or (lambda sample: StopRule(tokenizer.eos_token_id))
+        if layout.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        description = f"{regime} sweep, {len(pairs)} pairs"
+        with step_progress(description, total, enabled=layout.is_main) as advance, _sink(path, layout.is_main) as sink:
+            for sample in samples:
+                answered = done.get((sample.task, sample.index), set())
+                todo = [pair for pair in pairs if pair[0] not in answered]  # a resumed sweep's new pairs only
+                if not todo:
+                    advance(f"{sample.task} #{sample.index} (on disk)", skipped=True)
+                    continue
+                ids = encode(sample)
+                sample_rows = _answer(
+                    model,
+                    tokenizer,
+                    sample,
+                    ids,
+                    score,
+                    todo,
+                    regime,
+                    max_new_tokens(sample),
+                    stop(sample),
+                    layout,
+                    batch_answers,
+                    raw_predictions,
+                )
+                try:
+                    if unrecorded is not None:  # with the first row: a run that fails before leaves no settings
+                        _record_settings(out_dir, unrecorded)
+                        unrecorded = None
+                    if layout.is_main and not rows:  # what each method name means, with this run's first rows
+                        method_record.record(out_dir, described)
+                    for row in sample_rows:
+                        sink.write(json.dumps(asdict(row)) + "\n")
+                    sink.flush()
+                except OSError as error:  # a full disk: the rows written before are whole (a cut line is dropped)
+                    raise CriticalKVError(
+                        f"cannot write {error.filename or path}: {error.strerror}; the rows written so far are kept: "
+                        "make room and run the same command again to resume"
+                    ) from None
+                rows.extend(sample_rows)
+                advance(f"{sample.task} #{sample.index}")
+        return rows
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_folder(out_dir: Path) -> tuple[FileLock | None, str | None]:
+    """The folder's lock, held, or why it cannot be had: another sweep on the folder holds it (two sweeps on one
+    folder each answered every sample and wrote every row twice). A second sweep fails at once rather than wait:
+    resuming after the first one ends answers only what is left."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(out_dir / LOCK_FILE, timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        return None, (
+            f"another sweep is writing to {out_dir} (it holds {out_dir / LOCK_FILE}): wait for it to end, then run "
+            "this command again to answer what it left, or use another --out"
+        )
+    return lock, None
 
 
 def _chat_ids(tokenizer, sample: ChatSample) -> tuple[list[int], list[int]]:
@@ -287,11 +319,14 @@ def check_out_folder(path: Path) -> None:
 
 
 def _out_folder_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be (or become) a folder; None when it can. The nearest existing path must be a folder."""
+    """Why ``path`` cannot be (or become) a folder criticalkv writes; None when it can. The nearest existing path must
+    be a folder this process may write in."""
     for existing in (path, *path.parents):
         if not existing.exists():
             continue
         if existing.is_dir():
+            if not os.access(existing, os.W_OK | os.X_OK):
+                return f"--out {path}: cannot write in {existing} (permission denied): give a folder you can write to"
             return None
         if existing == path:
             return f"--out {path} is a file, not a folder: give a folder (new, or a sweep's to resume it)"
@@ -330,13 +365,16 @@ def _settings_conflict(out_dir: Path, settings: dict | None) -> str | None:
 
 def _record_settings(out_dir: Path, settings: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+    write_json(out_dir / SETTINGS_FILE, settings, indent=2)
 
 
 def stored_settings(folder: Path) -> dict | None:
     """The settings a sweep folder records in its ``sweep.json``; None for a folder without one."""
     path = folder / SETTINGS_FILE
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    remedy = "the file is damaged (a run stopped while writing it, or a full disk): restore it, or use another --out"
+    return read_json(path, remedy)
 
 
 def _answered(path: Path, regime: str) -> dict[tuple[str, int], set[str]]:
@@ -349,7 +387,7 @@ def _answered(path: Path, regime: str) -> dict[tuple[str, int], set[str]]:
         return {}
     rows, cut = _read_results(path)
     if cut is not None:
-        path.write_text(cut)
+        write_atomic(path, cut)
     seen: dict[tuple[str, int], set[str]] = {}
     for row in rows:
         if row["regime"] == regime:

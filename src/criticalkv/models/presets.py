@@ -8,7 +8,6 @@ it into ``<cache>/models/<preset>`` (config.json + bfloat16 safetensors + tokeni
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import shutil
@@ -33,7 +32,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from criticalkv.core.paths import cache_root
-from criticalkv.errors import CriticalKVError
+from criticalkv.errors import CriticalKVError, UnsupportedModelError, did_you_mean
 from criticalkv.models.families import check_supported
 from criticalkv.models.hub import hub_reachable
 
@@ -207,8 +206,10 @@ def _hash_parts(paths: list[Path], dest: Path | None, advance: Callable[[int], N
 
 def _load_gguf(folder: Path, file_name: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Dequantise a GGUF file into a float32 model and its tokenizer, ready for ``save_pretrained``."""
-    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=file_name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=file_name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), gguf_file=file_name, dtype=torch.float32, trust_remote_code=False
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=file_name, trust_remote_code=False)
     # A GGUF-loaded model refuses save_pretrained while it carries its quantizer marker.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -396,12 +397,6 @@ def check_model_files(folder: Path) -> None:
         raise CriticalKVError(f"'{folder}' holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}).")
 
 
-def _closest_preset(name: str) -> str:
-    """`` Did you mean 'smollm2-135m'?`` for a name close to a preset, else ''."""
-    close = difflib.get_close_matches(name, list(PRESETS), n=1, cutoff=0.6)
-    return f" Did you mean '{close[0]}'?" if close else ""
-
-
 def base_attention_for(config: PretrainedConfig) -> str:
     """``"sdpa"``, or ``"eager"`` when the config's causal-LM class has no SDPA attention."""
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
@@ -476,14 +471,17 @@ def load_model(
         source = name_or_path  # hub id
     hub = {} if Path(source).is_dir() or hub_reachable() else {"local_files_only": True}  # offline: the cache only
     try:
-        config = AutoConfig.from_pretrained(source, **hub)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False, **hub)
+    except ValueError as err:
+        _refuse_remote_code(name_or_path, err)
+        raise
     except OSError as err:  # a hub id that cannot be fetched: offline, a typo, a private repository
         where = "is not in the local cache (the model hub is unreachable)" if hub else "was not given by the model hub"
         reason = str(err).splitlines()[0].rstrip(".")
         raise CriticalKVError(
             f"'{name_or_path}' is neither a preset nor a local folder, and its config {where}: {reason}."
-            f"{_closest_preset(name_or_path)} Presets: {', '.join(PRESETS)}; or a folder with config.json, weights and "
-            "tokenizer."
+            f"{did_you_mean(name_or_path, PRESETS)} Presets: {', '.join(PRESETS)}; or a folder with config.json, "
+            "weights and tokenizer."
         ) from err
     check_supported(config)
     if check_config is not None:
@@ -498,7 +496,7 @@ def load_model(
     if not is_preset and Path(source).is_dir():
         check_model_files(Path(source))
     if distributed_config is not None:
-        tokenizer = AutoTokenizer.from_pretrained(source, **hub)
+        tokenizer = _tokenizer(name_or_path, source, hub)
         if with_tokenizer is not None:
             with_tokenizer(config, tokenizer)
         model = AutoModelForCausalLM.from_pretrained(
@@ -506,15 +504,16 @@ def load_model(
             dtype=torch_dtype,
             attn_implementation=attn_implementation,
             distributed_config=distributed_config,
+            trust_remote_code=False,
             **hub,
         )
         return model.eval(), tokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **hub)
+        tokenizer = _tokenizer(name_or_path, source, hub)
         if with_tokenizer is not None:
             with_tokenizer(config, tokenizer)
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch_dtype, attn_implementation=attn_implementation, **hub
+            source, dtype=torch_dtype, attn_implementation=attn_implementation, trust_remote_code=False, **hub
         )
     except (OSError, SafetensorError) as err:
         if is_preset:  # a converted folder damaged after its conversion (a truncated copy, a full disk)
@@ -524,3 +523,22 @@ def load_model(
             )
         raise
     return model.to(target).eval(), tokenizer
+
+
+def _tokenizer(name_or_path: str, source: str, hub: dict[str, bool]) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, never from the folder's own code (``_refuse_remote_code``)."""
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=False, **hub)
+    except ValueError as err:
+        _refuse_remote_code(name_or_path, err)
+        raise
+
+
+def _refuse_remote_code(name_or_path: str, err: ValueError) -> None:
+    """Raise ``UnsupportedModelError`` for transformers' refusal of a folder's own code (an ``auto_map`` whose class
+    transformers does not have): criticalkv never runs a model folder's code, nor asks whether to."""
+    if "trust_remote_code" in str(err):
+        raise UnsupportedModelError(
+            f"'{name_or_path}' needs its own Python code to load (auto_map in its config), which criticalkv never "
+            "runs: use a model of a supported family (`criticalkv models` lists them)"
+        ) from None

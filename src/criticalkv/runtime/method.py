@@ -162,7 +162,11 @@ class Method:
                     f"{type(self.scorer).__name__} gave scores of shape {tuple(s.shape)}; a layer's scores are "
                     f"(b, h_kv, t) = {tuple(view.keys.shape[:3])}"
                 )
-        self._check_signs(scores, plans, views, given)
+            if not s.is_floating_point():  # torch.finfo, the selectors' "never pick" value, has no integer type
+                raise CriticalKVError(
+                    f"{type(self.scorer).__name__} gave {s.dtype} scores; scores must be floating point (.float())"
+                )
+        self._check_values(scores, plans, views, given)
         rank = getattr(self.selector, "rank", None)
         if rank is not None:
             scores = [rank(s, p.row_budgets, p.protected, v) for s, p, v in zip(scores, plans, views, strict=True)]
@@ -183,29 +187,44 @@ class Method:
             ]
         return [self._select(view, plan, s, b) for view, plan, s, b in zip(views, plans, scores, budgets, strict=True)]
 
-    def _check_signs(
+    def _check_values(
         self, scores: list[torch.Tensor], plans: list[_LayerPlan], views: list[LayerView], given: bool
     ) -> None:
-        """A selector that multiplies scores by value norms (``needs_non_negative_scores``) needs them >= 0 wherever it
-        picks. They are checked, in one host read for the layers given (on a GPU a wait), unless they are the
-        scorer's own (not ``given`` to ``decide_layers``) and it is non-negative by construction
-        (``declares_non_negative``): the built-in scorers spare every layer the wait."""
-        if not getattr(self.selector, "needs_non_negative_scores", False):
-            return
-        if not given and declares_non_negative(self.scorer):
+        """Check the scores where the selector may pick, in one host read for the layers given (on a GPU a wait):
+
+        - their sign, for a selector that multiplies scores by value norms (``needs_non_negative_scores``), unless they
+          are the scorer's own (not ``given`` to ``decide_layers``) and it is non-negative by construction
+          (``declares_non_negative``);
+        - that they are finite, for a scorer of the user's own (its ``score`` defined outside criticalkv): top-k ranks
+          NaN above every number and -inf below, so either decided silently.
+
+        criticalkv's own scorers, declared non-negative, spare every layer the read."""
+        signs = getattr(self.selector, "needs_non_negative_scores", False)
+        signs = signs and (given or not declares_non_negative(self.scorer))
+        finite = not _own_method(self.scorer, "score")
+        if not (signs or finite):
             return
         flags = []
         for s, p, v in zip(scores, plans, views, strict=True):
-            negative = ~(s.masked_fill(padding_or_protected(v, p.protected), 0.0) >= 0).all()  # (): NaN too
+            picked = s.masked_fill(padding_or_protected(v, p.protected), 0.0)  # (b, h_kv, t)
+            negative = ~(picked >= 0).all() if signs else torch.zeros((), dtype=torch.bool, device=s.device)  # NaN too
+            bad = ~torch.isfinite(picked.masked_fill(p.kept_whole[:, None, None], 0.0)).all()  # rows kept whole: any
+            pair = torch.stack([negative, bad if finite else torch.zeros_like(bad)])  # (2,)
             shard = head_shard(v)
             if shard is not None:  # tensor parallelism: every rank raises, not one alone while the others wait
-                negative = shard.gather(negative.view(1, 1)).any()
-            flags.append(negative)
-        if bool(torch.stack(flags).any()):
+                pair = shard.gather(pair.view(1, 1, 2)).any(1)[0]
+            flags.append(pair)
+        negative, bad = torch.stack(flags).any(0).tolist()
+        if negative:
             raise NegativeScoreError(
                 f"{type(self.selector).__name__} multiplies scores by value norms, so scores must be >= 0; "
                 f"{type(self.scorer).__name__} produced negative or NaN scores (e.g. a negated key norm): make them "
                 "finite and >= 0, or use the top-k selector"
+            )
+        if bad:
+            raise CriticalKVError(
+                f"{type(self.scorer).__name__} gave NaN or infinite scores at real context positions: every position "
+                "the selector may pick needs a finite score (rank a position first with a large finite value)"
             )
 
     def _stream(self, views: list[LayerView], budget: Budget, scores: list[torch.Tensor] | None) -> list[Decision]:
@@ -259,3 +278,8 @@ class Method:
             budgets = torch.where(whole[:, None], view.lengths[:, None], budgets)  # (b, h_kv)
         width = plan.width if getattr(self.allocator, "row_budget_per_head", False) else None
         return Decision(keep, budgets, whole, width=width)
+
+
+def _own_method(obj: object, name: str) -> bool:
+    """Whether ``obj``'s method ``name`` is criticalkv's own (not a subclass's override from elsewhere)."""
+    return getattr(getattr(type(obj), name, None), "__module__", "").startswith("criticalkv.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import operator
 import time
 import warnings
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DummyLayer, DynamicSlidingWindowLayer
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
@@ -106,6 +107,16 @@ class ContextSession:
     method, budget, options
         As in ``criticalkv.compress``; ``"full"`` (or budget 1.0) keeps the full cache for comparison.
 
+    Attributes
+    ----------
+    prefill_seconds
+        Wall-clock time of the latest prefill's forward, compression included (a ``SharedPrefill``'s session: the
+        one shared forward, every target's compression included).
+    compress_cpu_seconds
+        Process CPU time spent scoring, selecting and compressing this session's cache inside that prefill (host
+        time: GPU kernels still running are not in it; 0 for the full cache; a ``SharedPrefill`` target whose
+        scorer equals an earlier target's reuses its scores, which count with the earlier target).
+
     Notes
     -----
     Question-agnostic use: ``prefill(context)``, then ``ask(question)`` as often as needed; the question's
@@ -125,18 +136,28 @@ class ContextSession:
         self.cache: Cache | None = None
         self.mask: torch.Tensor | None = None  # (b, seen) logical attention mask of the cached tokens
         self.context_length = 0
+        self.prefill_seconds = self.compress_cpu_seconds = float("nan")  # until a prefill
 
     @classmethod
     def from_cache(
-        cls, model: PreTrainedModel, compressor: Compressor, cache: Cache, mask: torch.Tensor, last_logits: torch.Tensor
+        cls,
+        model: PreTrainedModel,
+        compressor: Compressor,
+        cache: Cache,
+        mask: torch.Tensor,
+        last_logits: torch.Tensor,
+        prefill_seconds: float = float("nan"),
+        compress_cpu_seconds: float = float("nan"),
     ) -> ContextSession:
-        """A session over a cache another component prefilled (``SharedPrefill``)."""
+        """A session over a cache another component prefilled (``SharedPrefill``), with that prefill's timings
+        (NaN: not measured)."""
         session = cls.__new__(cls)
         session.model, session.compressor, session.cache = model, compressor, cache
         session.mask = session.mask_with_pending = mask
         session.context_length = mask.shape[1]
         session.last_logits = last_logits
-        session.prefill_seconds = float("nan")
+        session.prefill_seconds = prefill_seconds
+        session.compress_cpu_seconds = compress_cpu_seconds
         return session
 
     @classmethod
@@ -158,7 +179,8 @@ class ContextSession:
         cache = CompressedCache.stack([s.cache for s in sessions])
         mask = torch.cat([s.mask for s in sessions])  # (rows, t)
         last = torch.cat([s.last_logits for s in sessions])  # (rows, vocab)
-        return cls.from_cache(first.model, first.compressor, cache, mask, last)
+        seconds = sum(s.compress_cpu_seconds for s in sessions)
+        return cls.from_cache(first.model, first.compressor, cache, mask, last, first.prefill_seconds, seconds)
 
     # --- phases ------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -181,8 +203,13 @@ class ContextSession:
         if self.compressor is not None:
             self.compressor.start_prefill()
         start = time.perf_counter()
-        logits = self._forward(input_ids, self.mask)
+        try:
+            logits = self._forward(input_ids, self.mask)
+        except BaseException:
+            self.cache = None  # a half-filled context: the next ask refuses it rather than answering on it
+            raise
         self.prefill_seconds = time.perf_counter() - start
+        self.compress_cpu_seconds = self.compressor.compress_cpu_seconds if self.compressor is not None else 0.0
         self.context_length = input_ids.shape[1]
         self.cache.crop(0)  # sliding layers trim back to their window now that the context is in
         release_views(self.cache.layers)  # ... and their window stops holding the whole prompt's storage
@@ -194,15 +221,17 @@ class ContextSession:
         self,
         question_ids: torch.Tensor | None = None,
         max_new_tokens: int = 32,
-        eos_token_id: int | list[int] | None = None,
+        eos_token_id: int | list[int] | str | None = "model",
         question_mask: torch.Tensor | None = None,
         min_new_tokens: int = 0,
     ) -> Generation:
         """Greedy answer to question_ids (b, q) appended to the context (None: answer the prefilled prompt).
 
-        A row ends at its first token of ``eos_token_id``; the first ``min_new_tokens`` tokens are never one of
-        them (their logits are -inf there, as under transformers' ``min_new_tokens`` / ``min_length``). The cache
-        is trimmed back to the context afterwards, so the next question sees the same context.
+        A row ends at its first token of ``eos_token_id``: by default (``"model"``) the model's own end-of-sequence
+        tokens (``generation_config.eos_token_id``, where ``generate`` stops too); None runs to ``max_new_tokens``.
+        The first ``min_new_tokens`` tokens are never one of them (their logits are -inf there, as under transformers'
+        ``min_new_tokens`` / ``min_length``). The cache is trimmed back to the context afterwards, so the next
+        question sees the same context.
         """
         if self.cache is None:
             raise CacheStateError("call prefill(context) first")
@@ -212,14 +241,33 @@ class ContextSession:
             raise CriticalKVError(
                 f"max_new_tokens and min_new_tokens must be >= 0, got {max_new_tokens}, {min_new_tokens}"
             )
+        if isinstance(eos_token_id, str) and eos_token_id == "model":
+            eos_token_id = self.model.generation_config.eos_token_id
         stops = _stop_tokens(eos_token_id)
+        if question_ids is not None and question_ids.shape[1]:
+            question_mask = torch.ones_like(question_ids) if question_mask is None else question_mask
+            _check_question(question_ids, question_mask, self.mask.shape[0])
+            if self._padding_reaches_a_window(question_mask, max_new_tokens):
+                return self._by_question_length(question_ids, question_mask, max_new_tokens, min_new_tokens, stops)
+        try:  # an interrupted answer (Ctrl-C, out of memory) must not leave its tokens in the cache
+            return self._answer(question_ids, question_mask, max_new_tokens, min_new_tokens, stops)
+        finally:
+            self.rewind()
+
+    def _answer(
+        self,
+        question_ids: torch.Tensor | None,
+        question_mask: torch.Tensor | None,
+        max_new_tokens: int,
+        min_new_tokens: int,
+        stops: list[int],
+    ) -> Generation:
+        """``ask``'s greedy loop; it leaves the question and answer in the cache for ``ask`` to rewind."""
         start = time.perf_counter()
         if question_ids is None or question_ids.shape[1] == 0:
             logits = self.last_logits
         else:
-            q_mask = torch.ones_like(question_ids) if question_mask is None else question_mask
-            _check_question(question_ids, q_mask, self.mask.shape[0])
-            logits = self._forward(question_ids, torch.cat([self.mask, q_mask], dim=1))
+            logits = self._forward(question_ids, torch.cat([self.mask, question_mask], dim=1))
         first = time.perf_counter() - start
         result = Generation(torch.empty(logits.shape[0], 0, dtype=torch.long, device=logits.device), first)
         eos = torch.tensor(stops, dtype=torch.long, device=logits.device)
@@ -239,15 +287,76 @@ class ContextSession:
             full_mask = torch.cat([full_mask, torch.ones_like(token[:, None])], dim=1)
             logits = self._forward(token[:, None], full_mask)
             result.decode_seconds.append(time.perf_counter() - tick)
-        self.rewind()
         return result
+
+    def _padding_reaches_a_window(self, question_mask: torch.Tensor, max_new_tokens: int) -> bool:
+        """Whether a padded question (rows of different lengths, mask (b, q)) would put padding inside the window of a
+        sliding-window layer. Such a window spans cache slots, not tokens: the padding between the context and a
+        short question takes slots of the window and pushes real tokens out of it, so the row would answer from
+        another context than alone (a first-step logit 0.35 away from the solo run's, window 16). Within the window
+        (context, question and answer no longer than it) the padding is masked and pushes nothing out."""
+        if bool(question_mask.bool().all()):
+            return False
+        windows = [layer.sliding_window for layer in self.cache.layers if isinstance(layer, DynamicSlidingWindowLayer)]
+        slots = self.mask.shape[1] + question_mask.shape[1] + max_new_tokens  # the cache's length at most
+        return bool(windows) and slots > min(windows)
+
+    def _by_question_length(
+        self,
+        question_ids: torch.Tensor,
+        question_mask: torch.Tensor,
+        max_new_tokens: int,
+        min_new_tokens: int,
+        stops: list[int],
+    ) -> Generation:
+        """Answer questions of different lengths (ids and mask (b, q), left-padded) in batches of one length each, so
+        no padding falls between context and question (``_padding_reaches_a_window``). Each batch decodes on a copy
+        of its rows' cache; the session's own cache is left as it is. A batch that ends early (every row at an
+        end-of-sequence token) is filled with the first of them, as a finished row is; the timings are the
+        batches' together."""
+        lengths = question_mask.bool().sum(-1)  # (b,)
+        parts = []
+        for length in lengths.unique().tolist():
+            rows = (lengths == length).nonzero().flatten()  # (g,)
+            part = self._rows(rows)
+            question = question_ids[rows, -length:]  # (g, length): no padding left
+            generation = part._answer(question, torch.ones_like(question), max_new_tokens, min_new_tokens, stops)
+            parts.append((rows, generation))
+        width = max(generation.tokens.shape[1] for _, generation in parts)
+        tokens = question_ids.new_full((question_ids.shape[0], width), stops[0] if stops else 0)  # (b, n)
+        result = Generation(tokens, 0.0)
+        for rows, generation in parts:
+            tokens[rows, : generation.tokens.shape[1]] = generation.tokens
+            result.prefill_seconds += generation.prefill_seconds
+            result.decode_seconds += generation.decode_seconds
+        return result
+
+    def _rows(self, rows: torch.Tensor) -> ContextSession:
+        """A session over a copy of the context's ``rows`` (g,): its cache, mask and last logits."""
+        part = ContextSession.__new__(ContextSession)
+        part.model, part.compressor, part.context_length = self.model, self.compressor, self.context_length
+        part.cache = copy.deepcopy(self.cache)
+        part.cache.batch_select_indices(rows)
+        part.mask = part.mask_with_pending = self.mask[rows]
+        part.last_logits = self.last_logits[rows]
+        part.prefill_seconds, part.compress_cpu_seconds = self.prefill_seconds, self.compress_cpu_seconds
+        return part
 
     def rewind(self) -> None:
         """Drop everything appended after the context (question and answer tokens) and give back the memory
-        they took: a compressed cache then holds its compressed context alone, as right after the prefill."""
-        extra = self.cache.get_seq_length() - self.context_length
-        if extra > 0:
-            self.cache.crop(-extra)
+        they took: a compressed cache then holds its compressed context alone, as right after the prefill.
+
+        Each layer is cropped by what it holds beyond the context: a forward stopped part-way (an exception inside
+        ``ask``) has appended the new tokens to the first layers only."""
+        cropped = False
+        for layer in self.cache.layers:
+            if isinstance(layer, DummyLayer) or not layer.is_initialized:  # another stage's, or never filled
+                continue
+            extra = layer.get_seq_length() - self.context_length
+            if extra > 0:
+                layer.crop(-extra)
+                cropped = True
+        if cropped:
             release_views(self.cache.layers, slack=REWIND_SLACK)  # transformers' layers crop to views
         if isinstance(self.cache, CompressedCache):
             self.cache.compact()

@@ -8,6 +8,7 @@ that share SnapKV's scorer costs little more than one of them.
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +18,7 @@ from transformers import PreTrainedModel
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer
 from criticalkv.core.positions import positions_from_mask
-from criticalkv.errors import CriticalKVError
+from criticalkv.errors import CriticalKVError, MethodOptionError
 from criticalkv.methods import build_method
 from criticalkv.runtime.compressor import (
     Compressor,
@@ -42,6 +43,7 @@ class Target:
     records: list[LayerRecord] = field(default_factory=list)
     pending: list[PendingLayer] = field(default_factory=list)  # a deferred method's dense layers
     state: dict = field(default_factory=dict)  # the method's scratch dict for this prefill (streaming allocators)
+    compress_cpu_seconds: float = 0.0  # CPU time deciding and compressing this target's cache in the prefill
 
     @property
     def deferred(self) -> bool:
@@ -56,17 +58,26 @@ class SharedPrefill(Compressor):
     model
         A supported causal LM.
     targets
-        ``(label, method, budget)`` triples; ``method`` is a preset name (``"full"`` keeps the full cache) or a
-        ``Method``.
+        ``(label, method, budget)`` triples, or ``(label, method, budget, options)``; ``method`` is a preset name
+        (``"full"`` keeps the full cache) or a ``Method``, ``options`` a preset's options (``{"window": 64}``, as
+        ``build_method`` takes them: they set the target's own method alone).
     """
 
-    def __init__(self, model: PreTrainedModel, targets: list[tuple[str, str | Method, Budget | float | int | str]]):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        targets: list[tuple[str, str | Method, Budget | float | int | str] | tuple[str, str | Method, object, dict]],
+    ):
         if not targets:
             raise CriticalKVError("SharedPrefill needs at least one (label, method, budget) target")
         built = []
-        for label, method, budget in targets:
-            m = method if isinstance(method, Method) else build_method(method)
-            built.append(Target(label, m, Budget.parse(budget)))
+        for target in targets:
+            if not isinstance(target, tuple | list) or len(target) not in (3, 4):
+                raise CriticalKVError(
+                    f"a target is (label, method, budget) or (label, method, budget, options), got {target!r}"
+                )
+            label, method, budget, *options = target
+            built.append(Target(label, _built(method, options[0] if options else {}), Budget.parse(budget)))
         if len({t.label for t in built}) != len(built):
             raise CriticalKVError("target labels must be unique")
         first = next((t.method for t in built if t.method is not None), None)
@@ -83,9 +94,11 @@ class SharedPrefill(Compressor):
         for target in self.targets:
             target.cache = CompressedCache(self.model.config, self)
             target.records, target.pending, target.state = [], [], {}
+            target.compress_cpu_seconds = 0.0
         source = CompressedCache(self.model.config, self)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         positions = positions_from_mask(mask)
+        start = time.perf_counter()
         with self:
             out = self.model(
                 input_ids=input_ids,
@@ -99,7 +112,9 @@ class SharedPrefill(Compressor):
             for target in self.targets:  # deferred methods decide every layer now, each on its own cache
                 if target.pending:
                     self.active_cache = target.cache
+                    before = self.compress_cpu_seconds
                     self.finish_deferred(target.cache, target.pending, target.method, target.budget, target.records)
+                    target.compress_cpu_seconds += self.compress_cpu_seconds - before
                     target.pending = []
         # sliding-window layers are copied to every target as they are: their windows, freed of the prompt's storage
         # at the end of the forward (Compressor._finish_prefill), not that storage
@@ -110,7 +125,11 @@ class SharedPrefill(Compressor):
         for target in self.targets:
             target.cache.activate_past_recording()  # sliding layers can then be rewound after each answer
         last = out.logits[:, -1, :].float()
-        sessions = {t.label: ContextSession.from_cache(self.model, self, t.cache, mask, last) for t in self.targets}
+        seconds = time.perf_counter() - start
+        sessions = {
+            t.label: ContextSession.from_cache(self.model, self, t.cache, mask, last, seconds, t.compress_cpu_seconds)
+            for t in self.targets
+        }
         for target in self.targets:  # each session holds its own cache: one kept session keeps no other alive
             target.cache = None
         return sessions
@@ -127,11 +146,13 @@ class SharedPrefill(Compressor):
     ) -> None:
         view = prefill_view(module, query, keys, values, attention_mask, scaling, self.facts)
         for target in self.targets:
+            start = time.process_time()
             own = CompressedLayer()
             own.update(keys, values)  # shares the prompt's tensors until compress() gathers what it keeps
             target.cache.layers[module.layer_idx] = own
             if target.deferred:
                 target.pending.append(self.defer_layer(view, own, target.method))
+                target.compress_cpu_seconds += time.process_time() - start
                 continue
             if target.method is not None and not target.budget.keeps_everything:
                 decision = target.method.decide(view, target.budget, target.state)
@@ -142,4 +163,16 @@ class SharedPrefill(Compressor):
                     LayerRecord(module.layer_idx, view.lengths, decision.budgets, decision.kept_whole)
                 )
             own.fresh = False
+            target.compress_cpu_seconds += time.process_time() - start
         layer.reset()  # the shared full prefill is released; each target now holds its own
+
+
+def _built(method: str | Method, options: dict) -> Method | None:
+    """A target's method: a preset built with its options, or a ``Method`` as given (which takes none)."""
+    if not isinstance(options, dict):
+        raise MethodOptionError(f"a target's options are a dict such as {{'window': 64}}, got {options!r}")
+    if isinstance(method, Method):
+        if options:
+            raise MethodOptionError("options apply to preset names; set them on the pieces of a custom Method")
+        return method
+    return build_method(method, **options)

@@ -253,7 +253,7 @@ def _allowed(mask: torch.Tensor | None, b: int, q: int, n: int, device: torch.de
 def _tokenizer_at(source: str) -> PreTrainedTokenizerBase:
     offline = not Path(source).is_dir() and not hub_reachable()  # a hub id on an offline machine: the cache only
     try:
-        return AutoTokenizer.from_pretrained(source, local_files_only=offline)
+        return AutoTokenizer.from_pretrained(source, local_files_only=offline, trust_remote_code=False)
     except (OSError, ValueError) as error:
         raise CriticalKVError(
             f"the reconstruction scorer builds its repeat prompt with the model's tokenizer, and none loads from "
