@@ -267,22 +267,22 @@ def test_screen_bounds_are_computed_once_per_view(kind, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_screen_on_cuda_chooses_what_float32_norms_choose():
-    """On a GPU the screen runs by itself (bfloat16 values), with the wider bound for cuBLAS's reduced-precision
-    sums; it keeps what every float32 norm keeps, on long heads where stage 2 leaves most entries out."""
+def test_cuda_computes_every_norm_in_the_fused_kernel_and_chooses_what_the_cpu_chooses():
+    """On a GPU with Triton no bracket runs (the fused kernel's float32 norms cost what bfloat16 ones would); stage 2
+    keeps what the CPU's float32 norms keep, on long heads where it leaves most entries out."""
     b, h_kv, t = 2, 2, 4096
     for seed in range(3):
-        view = _bf16_view(b, h_kv, 4, t, 64, 256, seed, device="cuda")
-        assert norm_screen.screen_kind(view.values) == "bfloat16"
+        view = _bf16_view(b, h_kv, 4, t, 64, 256, seed)
         gen = torch.Generator().manual_seed(seed)
-        scores = (torch.rand(b, h_kv, t, generator=gen) ** 8).cuda()
-        protected = torch.zeros(b, t, dtype=torch.bool, device="cuda")
+        scores = torch.rand(b, h_kv, t, generator=gen) ** 8
+        protected = torch.zeros(b, t, dtype=torch.bool)
         protected[:, -32:] = True
-        budgets = torch.full((b, h_kv), t // 5, device="cuda")
-        got = CriticalSelector().select(scores, budgets, protected, view)
-        assert ("value_norm_bounds", "bfloat16") in view.memo
+        budgets = torch.full((b, h_kv), t // 5)
         want = CriticalSelector(screen=False).select(scores, budgets, protected, view)
-        assert torch.equal(got, want), seed
+        on_gpu = _bf16_view(b, h_kv, 4, t, 64, 256, seed, device="cuda")
+        assert norm_screen.screen_kind(on_gpu.values) is None
+        got = CriticalSelector().select(scores.cuda(), budgets.cuda(), protected.cuda(), on_gpu)
+        assert torch.equal(got.cpu(), want), seed
 
 
 def test_weight_row_sums_are_computed_once_per_weight_and_again_when_it_changes():

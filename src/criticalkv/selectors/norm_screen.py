@@ -27,7 +27,7 @@ import torch
 
 from criticalkv.core.device import cpu_multiplies_bfloat16
 from criticalkv.selectors.base import add_top, largest, open_places
-from criticalkv.selectors.value_norm import projected_value_norm
+from criticalkv.selectors.value_norm import fused_kernel, projected_value_norm
 
 # |N_bf16 - N_fp32| <= REL * N_bf16 + ABS_PER_DIM * d * M, with M = sum_j sum_k |V_k| |W_kj| (averaged over the group).
 # bfloat16 rounds each product's result to within 2^-8 of it (its unit roundoff: 8 significant bits), so the L1 sums
@@ -50,8 +50,12 @@ _UNIT = 2.0**-24  # float32's unit roundoff
 
 def screen_kind(values: torch.Tensor) -> str | None:
     """Which bracket pays off for these values: ``"bfloat16"`` (bfloat16 values on a device with native bfloat16
-    products), ``"l2"`` (any other values on a CPU whose float32 products are exact float32 ones), or None."""
+    products), ``"l2"`` (any other values on a CPU whose float32 products are exact float32 ones), or None. None on
+    a GPU with Triton: its fused kernel computes every float32 norm from the same bfloat16 tensor-core products the
+    bfloat16 bracket would (``value_norm_triton``), so no bracket can save anything there."""
     on_cpu = values.device.type == "cpu"
+    if values.is_cuda and fused_kernel() is not None:
+        return None
     if values.dtype == torch.bfloat16 and (values.is_cuda or (on_cpu and cpu_multiplies_bfloat16())):
         return "bfloat16"
     if on_cpu and cpu_multiplies_float32_exactly():

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -19,6 +23,18 @@ _CHUNK_ELEMENTS_CUDA = 64 * 1024 * 1024
 # Fewest rows a product is computed with: on a CPU the norms of a row then come out the same bits whether the row is
 # computed among all of a head's or among a few gathered ones (the value-norm screen; tests/test_norm_screen.py).
 _MIN_ROWS = 16
+
+
+@functools.cache
+def fused_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """The Triton kernel of the float32 norms on a GPU (``value_norm_triton``), None where triton is not installed
+    (torch's CUDA wheels ship it): the chunked products below then, the same norms at several times the memory
+    traffic."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from criticalkv.selectors.value_norm_triton import fused_projected_value_norm
+
+    return fused_projected_value_norm
 
 
 def check_output_projections(model: nn.Module, who: str) -> None:
@@ -57,12 +73,16 @@ def projected_value_norm(
         columns g*d .. (g+1)*d, i.e. a (d, hidden) matrix. No bias enters the norm.
     compute_dtype
         dtype of the product V W_O (float32 by default; None uses the values' own dtype, as kvpress does, which
-        is about twice as fast in bfloat16 on CPUs with AMX). The L1 sum is always accumulated in float32.
+        is about twice as fast in bfloat16 on CPUs with AMX). The L1 sum is always accumulated in float32. On a
+        GPU the float32 group mean comes from one Triton kernel (``value_norm_triton``) that never writes the
+        (t, G * hidden) product out.
     """
     b, h_kv, t, d = values.shape
     hidden, in_features = o_proj_weight.shape
     if in_features % (h_kv * d):
         raise ValueError(f"o_proj takes {in_features} inputs, not a multiple of {h_kv} KV heads x head_dim {d}")
+    if values.is_cuda and compute_dtype == torch.float32 and not per_head and fused_kernel() is not None:
+        return fused_kernel()(values, o_proj_weight)
     g = in_features // (h_kv * d)
     # (hidden, h_kv, G, d) -> (h_kv, d, G, hidden) -> (h_kv, d, G*hidden): one matmul per KV head for the group
     dtype = values.dtype if compute_dtype is None else compute_dtype
