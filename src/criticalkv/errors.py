@@ -32,3 +32,8 @@ class PaddingError(CriticalKVError):
 
 class CacheStateError(CriticalKVError):
     """A cache used in a way its state does not allow (e.g. cropping into the compressed context)."""
+
+
+class StoredContextError(CriticalKVError):
+    """A saved context that cannot be loaded here: made for another model (config or weights), another dtype or
+    another file layout version, or not a criticalkv file at all."""

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import TYPE_CHECKING
 
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DummyLayer
 
 from criticalkv.cache.compressed_layer import CompressedLayer, owning
@@ -15,6 +16,7 @@ from criticalkv.models.families import layer_types
 
 if TYPE_CHECKING:
     from criticalkv.runtime.compressor import Compressor
+    from criticalkv.runtime.method import Method
 
 
 def storage_bytes(tensors) -> int:
@@ -103,6 +105,26 @@ class CompressedCache(Cache):
             elif getattr(layer, "is_initialized", False) and layer.keys is not None:  # DummyLayer: no keys
                 total += layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2]
         return total
+
+    def save(self, path: str | os.PathLike, context_digest: str | None = None) -> int:
+        """Write the compressed cache to ``path`` (safetensors under a JSON header: model fingerprint, dtype, method,
+        budget, layout version; written atomically); returns the file's size in bytes. Every layer must be a
+        compressed layer with nothing appended after its context. ``context_digest``: a digest of the context's
+        tokens to record (``ContextSession.save`` records its own)."""
+        from criticalkv.runtime.persist import save_cache  # the file format needs the runtime's method and model
+
+        return save_cache(self, path, context_digest)
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike, model: PreTrainedModel, method: str | Method | None = None
+    ) -> CompressedCache:
+        """A cache ``save`` wrote, on ``model``'s device, under a compressor of the file's method and budget (which
+        reads it; nothing is compressed again). A file from another model, dtype or layout version raises
+        ``StoredContextError``. ``method``: only for a file whose method is not a preset."""
+        from criticalkv.runtime.persist import load_cache
+
+        return load_cache(path, model, method)
 
     @classmethod
     def stack(cls, caches: list[CompressedCache]) -> CompressedCache:

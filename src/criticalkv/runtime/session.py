@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import operator
+import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -73,6 +75,14 @@ def _check_question(question_ids: torch.Tensor, question_mask: torch.Tensor, row
         raise PaddingError(f"row {row} of the question has no real token; every row needs one to answer from")
 
 
+def token_digest(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> str:
+    """sha256 of a context's token ids (b, t) and mask (b, t), shapes included: which context a saved file holds."""
+    digest = hashlib.sha256(f"{tuple(input_ids.shape)}".encode())
+    for tensor in (input_ids, attention_mask):
+        digest.update(tensor.detach().to("cpu", torch.int64).contiguous().numpy().data)
+    return digest.hexdigest()
+
+
 def warn_unmasked_padding(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
     """Warn when a batch's row starts with the pad token and no ``attention_mask`` tells the padding: it would be
     read as context. input_ids (b, t)."""
@@ -124,6 +134,7 @@ class ContextSession:
         self.cache: Cache | None = None
         self.mask: torch.Tensor | None = None  # (b, seen) logical attention mask of the cached tokens
         self.context_length = 0
+        self.context_digest: str | None = None  # sha256 of the context's ids and mask (``persist.token_digest``)
 
     @classmethod
     def from_cache(
@@ -136,7 +147,26 @@ class ContextSession:
         session.context_length = mask.shape[1]
         session.last_logits = last_logits
         session.prefill_seconds = float("nan")
+        session.context_digest = None
         return session
+
+    def save(self, path: str | os.PathLike) -> int:
+        """Write the compressed context and what ``ask`` starts from to ``path`` (safetensors, atomically); returns
+        the file's size in bytes. ``ContextSession.load`` reads it back; see docs/serving.md for the file."""
+        from criticalkv.runtime.persist import save_session
+
+        return save_session(self, path)
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike, model: PreTrainedModel, method: str | Method | None = None
+    ) -> ContextSession:
+        """A session ``save`` wrote, ready to ``ask``, on ``model`` (the one it was saved from: its config, weights
+        and dtype are checked, else ``StoredContextError``). ``method``: only for a file whose method is not a
+        preset (a custom ``Method``); it is not run again, the context stays as it was compressed."""
+        from criticalkv.runtime.persist import load_session
+
+        return load_session(path, model, method)
 
     @classmethod
     def stacked(cls, sessions: list[ContextSession]) -> ContextSession:
@@ -177,6 +207,7 @@ class ContextSession:
         self.cache.activate_past_recording()
         self.mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         self.context_length = 0
+        self.context_digest = token_digest(input_ids, self.mask)
         if self.compressor is not None:
             self.compressor.start_prefill()
         start = time.perf_counter()

@@ -27,7 +27,7 @@ from criticalkv.runtime.compressor import (
     prefill_view,
 )
 from criticalkv.runtime.method import Method
-from criticalkv.runtime.session import ContextSession, warn_unmasked_padding
+from criticalkv.runtime.session import ContextSession, token_digest, warn_unmasked_padding
 
 
 @dataclass
@@ -110,6 +110,9 @@ class SharedPrefill(Compressor):
             target.cache.activate_past_recording()  # sliding layers can then be rewound after each answer
         last = out.logits[:, -1, :].float()
         sessions = {t.label: ContextSession.from_cache(self.model, self, t.cache, mask, last) for t in self.targets}
+        digest = token_digest(input_ids, mask)
+        for session in sessions.values():
+            session.context_digest = digest
         for target in self.targets:  # each session holds its own cache: one kept session keeps no other alive
             target.cache = None
         return sessions
