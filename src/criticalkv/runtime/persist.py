@@ -224,9 +224,10 @@ def load_cache(path: str | os.PathLike, model: PreTrainedModel, method: str | Me
 
 
 # --- sessions --------------------------------------------------------------------------------------------------------
-def save_session(session: ContextSession, path: str | os.PathLike) -> int:
+def save_session(session: ContextSession, path: str | os.PathLike, model_source: str | None = None) -> int:
     """Write a session's compressed context and what ``ask`` starts from (``ContextSession.save``); the file's size
-    in bytes."""
+    in bytes. ``model_source``: the name the model was loaded by (a preset, a folder), recorded for ``criticalkv
+    ask`` to load it again; the fingerprint, not this name, decides whether a model may load the file."""
     if session.cache is None:
         raise CacheStateError("call prefill(context) before saving a session")
     if session.cache.get_seq_length() != session.context_length:
@@ -240,6 +241,7 @@ def save_session(session: ContextSession, path: str | os.PathLike) -> int:
         "session",
         layers=counts,
         context={"tokens": session.context_length, "sha256": session.context_digest},
+        model_source=model_source,
     )
     return _write(path, tensors, header)
 

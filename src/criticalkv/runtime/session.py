@@ -7,6 +7,7 @@ import operator
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -234,6 +235,29 @@ class ContextSession:
         them (their logits are -inf there, as under transformers' ``min_new_tokens`` / ``min_length``). The cache
         is trimmed back to the context afterwards, so the next question sees the same context.
         """
+        steps = self.stream(question_ids, max_new_tokens, eos_token_id, question_mask, min_new_tokens)
+        start = time.perf_counter()
+        first = next(steps, None)
+        if first is None:  # max_new_tokens == 0: the question's forward alone
+            empty = torch.empty(self.mask.shape[0], 0, dtype=torch.long, device=self.mask.device)
+            return Generation(empty, time.perf_counter() - start)
+        tokens, seconds = [first[0]], [first[1]]
+        for token, step_seconds in steps:
+            tokens.append(token)
+            seconds.append(step_seconds)
+        return Generation(torch.stack(tokens, dim=1), seconds[0], seconds[1:])
+
+    @torch.no_grad()
+    def stream(
+        self,
+        question_ids: torch.Tensor | None = None,
+        max_new_tokens: int = 32,
+        eos_token_id: int | list[int] | None = None,
+        question_mask: torch.Tensor | None = None,
+        min_new_tokens: int = 0,
+    ) -> Iterator[tuple[torch.Tensor, float]]:
+        """``ask`` one token at a time: yields each step's greedy tokens (b,) and the seconds it took (the first:
+        the question's forward). The cache is rewound to the context when the generator ends or is closed."""
         if self.cache is None:
             raise CacheStateError("call prefill(context) first")
         if question_ids is not None:
@@ -243,34 +267,48 @@ class ContextSession:
                 f"max_new_tokens and min_new_tokens must be >= 0, got {max_new_tokens}, {min_new_tokens}"
             )
         stops = _stop_tokens(eos_token_id)
-        start = time.perf_counter()
-        if question_ids is None or question_ids.shape[1] == 0:
-            logits = self.last_logits
-        else:
+        if question_ids is not None and question_ids.shape[1] > 0:
             q_mask = torch.ones_like(question_ids) if question_mask is None else question_mask
             _check_question(question_ids, q_mask, self.mask.shape[0])
-            logits = self._forward(question_ids, torch.cat([self.mask, q_mask], dim=1))
-        first = time.perf_counter() - start
-        result = Generation(torch.empty(logits.shape[0], 0, dtype=torch.long, device=logits.device), first)
-        eos = torch.tensor(stops, dtype=torch.long, device=logits.device)
-        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-        full_mask = self.mask_with_pending
-        for step in range(max_new_tokens):
-            if step < min_new_tokens and eos.numel():
-                logits = logits.index_fill(-1, eos, float("-inf"))  # (b, vocab), a copy: no stop token yet
-            token = logits.argmax(-1)  # (b,)
-            if eos.numel():
-                token = torch.where(done, eos[0], token)  # finished rows repeat their end-of-sequence token
-            result.tokens = torch.cat([result.tokens, token[:, None]], dim=1)
-            done |= torch.isin(token, eos)
-            if bool(done.all()) or step == max_new_tokens - 1:
-                break
-            tick = time.perf_counter()
-            full_mask = torch.cat([full_mask, torch.ones_like(token[:, None])], dim=1)
-            logits = self._forward(token[:, None], full_mask)
-            result.decode_seconds.append(time.perf_counter() - tick)
-        self.rewind()
-        return result
+        return self._steps(question_ids, max_new_tokens, stops, question_mask, min_new_tokens)
+
+    def _steps(
+        self,
+        question_ids: torch.Tensor | None,
+        max_new_tokens: int,
+        stops: list[int],
+        question_mask: torch.Tensor | None,
+        min_new_tokens: int,
+    ) -> Iterator[tuple[torch.Tensor, float]]:
+        """The decode loop of ``stream``, its arguments checked."""
+        try:
+            with torch.no_grad():
+                start = time.perf_counter()
+                if question_ids is None or question_ids.shape[1] == 0:
+                    logits = self.last_logits
+                else:
+                    q_mask = torch.ones_like(question_ids) if question_mask is None else question_mask
+                    logits = self._forward(question_ids, torch.cat([self.mask, q_mask], dim=1))
+                elapsed = time.perf_counter() - start
+                eos = torch.tensor(stops, dtype=torch.long, device=logits.device)
+                done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+                full_mask = self.mask_with_pending
+                for step in range(max_new_tokens):
+                    if step < min_new_tokens and eos.numel():
+                        logits = logits.index_fill(-1, eos, float("-inf"))  # (b, vocab), a copy: no stop token yet
+                    token = logits.argmax(-1)  # (b,)
+                    if eos.numel():
+                        token = torch.where(done, eos[0], token)  # finished rows repeat their end-of-sequence token
+                    done |= torch.isin(token, eos)
+                    yield token, elapsed
+                    if bool(done.all()) or step == max_new_tokens - 1:
+                        break
+                    tick = time.perf_counter()
+                    full_mask = torch.cat([full_mask, torch.ones_like(token[:, None])], dim=1)
+                    logits = self._forward(token[:, None], full_mask)
+                    elapsed = time.perf_counter() - tick
+        finally:
+            self.rewind()
 
     def rewind(self) -> None:
         """Drop everything appended after the context (question and answer tokens) and give back the memory
