@@ -275,3 +275,38 @@ def test_question_ids_continue_the_document_as_one_prompt(tiny) -> None:
     _, tokenizer = tiny
     both = torch.cat([document_ids(tokenizer, DOCUMENT), question_ids(tokenizer, QUESTION)], dim=1)
     assert tokenizer.decode(both[0], skip_special_tokens=True) == f"{DOCUMENT}\n\n{QUESTION}"
+
+
+MANUAL = (
+    "The Zorbian manual. "
+    + " ".join(f"Section {i}: the valve number {i} must be turned clockwise twice before startup." for i in range(40))
+    + " The secret access code of the facility is 7319. "
+    + " ".join(f"Note {i}: keep the floor dry." for i in range(30))
+)
+
+
+@pytest.mark.model
+def test_smollm2_answers_from_a_stored_context_over_http(smollm2_folder: Path, tmp_path: Path) -> None:
+    model, tokenizer = load_model("smollm2-135m", device="cpu")
+    store = ContextStore(model, tmp_path, max_bytes=1 << 30)
+    server = Server(create_app(ServerSettings(model, tokenizer, "smollm2-135m", store, "critical-snapkv", Budget(0.3))))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        created = httpx.post(server.url + "/v1/contexts", json={"document": MANUAL}, timeout=600)
+        assert created.status_code == 200, created.text
+        ask = {
+            "model": "smollm2-135m",
+            "messages": [{"role": "user", "content": "What is the secret access code of the facility?"}],
+            "max_tokens": 16,
+            "extra_body": {"context_id": created.json()["id"]},
+        }
+        reply = client.chat.completions.create(**ask).choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**ask, stream=True))
+        assert "7319" in reply and streamed == reply
+        session = ContextSession(model, "critical-snapkv", 0.3)
+        session.prefill(document_ids(tokenizer, MANUAL))
+        question = question_ids(tokenizer, ask["messages"][0]["content"])
+        tokens = session.ask(question, max_new_tokens=16, eos_token_id=tokenizer.eos_token_id).tokens[0].tolist()
+        assert tokenizer.decode(tokens, skip_special_tokens=True) == reply
+    finally:
+        server.stop()
