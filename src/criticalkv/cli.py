@@ -1,5 +1,5 @@
-"""The command line: ``criticalkv run`` (the main job), ``methods``, ``models``, ``eval``, ``perturbation``,
-``calibrate-heads``, ``report``."""
+"""The command line: ``criticalkv run`` (the main job), ``methods``, ``models``, ``compress``, ``ask``, ``serve``,
+``eval``, ``perturbation``, ``calibrate-heads``, ``report``."""
 
 from __future__ import annotations
 
@@ -72,6 +72,100 @@ def models() -> None:
     for model_type, name in SUPPORTED_FAMILIES.items():
         families.add_row(name, model_type)
     console.print(families)
+
+
+@app.command()
+def compress(
+    context_file: Annotated[Path, typer.Option(help="The document, a text file.")],
+    out: Annotated[Path, typer.Option(help="The file to write (safetensors).")],
+    model: Annotated[str, typer.Option(help="Preset name, local folder or hub id.")] = DEFAULT_PRESET,
+    method: Annotated[str, typer.Option(help="A compressing method preset.")] = "critical-snapkv",
+    budget: Annotated[str, typer.Option(help="Fraction kept (0.2) or entries per head (512).")] = "0.2",
+    option: Annotated[list[str] | None, typer.Option(help="Method option key=value, e.g. window=64.")] = None,
+    dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "auto",
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
+) -> None:
+    """Compress a document once, before any question, and save it: `criticalkv ask` answers from the file."""
+    from criticalkv.serve.offline import compress_document
+
+    try:
+        _writable(out)
+        done = compress_document(model, method, budget, context_file, out, dtype, device, _parse_options(option or []))
+    except CriticalKVError as error:
+        print_error(console, error)
+        raise typer.Exit(2) from None
+    console.print(
+        f"wrote {out}: {done['tokens']} tokens, {done['file_bytes']} bytes on disk, {done['kv_bytes']} bytes of cache"
+    )
+
+
+@app.command()
+def ask(
+    path: Annotated[Path, typer.Argument(help="A file `criticalkv compress` wrote.")],
+    question: Annotated[list[str], typer.Option(help="A question (repeatable).")],
+    stream: Annotated[bool, typer.Option(help="Print each answer as it is generated.")] = False,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per answer at most.")] = 64,
+    model: Annotated[str | None, typer.Option(help="Default: the model the file was compressed with.")] = None,
+    dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "auto",
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
+) -> None:
+    """Answer questions from a saved compressed context (the question is appended uncompressed)."""
+    from criticalkv.serve.offline import ask_file
+
+    def emit(piece: str) -> None:
+        console.out(piece, end="", highlight=False)
+
+    try:
+        at_least(max_new_tokens, 1, "--max-new-tokens")
+        answers = ask_file(path, question, max_new_tokens, emit if stream else None, model, dtype, device)
+    except CriticalKVError as error:
+        print_error(console, error)
+        raise typer.Exit(2) from None
+    if not stream:
+        for asked, answer in zip(question, answers, strict=True):
+            console.print(f"[bold]{asked}[/bold]\n{answer}", highlight=False)
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Option(help="Preset name, local folder or hub id.")] = DEFAULT_PRESET,
+    method: Annotated[str, typer.Option(help="How documents are compressed.")] = "critical-snapkv",
+    budget: Annotated[str, typer.Option(help="Fraction kept (0.2) or entries per head (512).")] = "0.2",
+    option: Annotated[list[str] | None, typer.Option(help="Method option key=value, e.g. window=64.")] = None,
+    store: Annotated[Path | None, typer.Option(help="Folder of the stored contexts (default: <cache>/contexts).")] = (
+        None
+    ),
+    max_memory: Annotated[float, typer.Option(help="MiB of compressed caches held in memory (LRU).")] = 1024.0,
+    max_document_tokens: Annotated[
+        int | None, typer.Option(help="Longer documents get 413 (default: the model's positions).")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(help="Tokens generated when a request does not say.")] = 128,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "auto",
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
+) -> None:
+    """An OpenAI-compatible server over stored compressed contexts (docs/serving.md)."""
+    from criticalkv.serve.server import serve as run_server
+
+    try:
+        run_server(
+            model,
+            method,
+            budget,
+            store,
+            max_memory,
+            host,
+            port,
+            max_document_tokens,
+            max_tokens,
+            dtype,
+            device,
+            _parse_options(option or []),
+        )
+    except CriticalKVError as error:
+        print_error(console, error)
+        raise typer.Exit(2) from None
 
 
 @dataclass

@@ -46,3 +46,8 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """`` Did you mean 'snapkv'?`` for a ``word`` close to one of ``choices`` (a typo), else ''."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" Did you mean '{close[0]}'?" if close else ""
+
+
+class StoredContextError(CriticalKVError):
+    """A saved context that cannot be loaded here: made for another model (config or weights), another dtype or
+    another file layout version, or not a criticalkv file at all."""

@@ -350,6 +350,54 @@ class CompressedLayer(CacheLayerMixin):
             return (tail_pos[None, :] <= query_pos[:, None])[None, None]
         return as_bool_mask(logical_mask)[:, :, :, self.context_seen : self.seen]
 
+    # --- persistence -------------------------------------------------------------------------------------
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """What restores this layer (``from_state``), read without changing its layout: tensors and counts.
+
+        A compressed layer gives its flat context ``keys``/``values`` (N, d) and ``lengths`` (b, h_kv); a dense one
+        (a layer its method kept whole) its prompt ``keys``/``values`` (b, h_kv, t, d). A compressed layer must have
+        nothing appended after its context (``ContextSession.rewind`` first): the tail is a question's, not the
+        context's.
+        """
+        if not self.is_initialized or self.pending or self.fresh:
+            raise CacheStateError("only a layer whose prefill is finished (and compressed if it is to be) is saved")
+        if not self.is_compressed:
+            keys, values = self.tail_states()  # (b, h_kv, t, d): the whole prompt, without the buffer's spare room
+            return {"keys": keys, "values": values}, {"seen": self.seen}
+        if self.tail:
+            raise CacheStateError(f"{self.tail} tokens are appended after the compressed context: rewind first")
+        if self._joined is None:
+            keys, values = self._context_keys, self._context_values
+        else:  # each segment's L context columns, flattened in segment order: the flat layout's (N, d)
+            width, d = self.uniform_width(), self._joined[0].shape[-1]
+            keys, values = (t[:, :, :width].reshape(-1, d) for t in self._joined)
+        return {"keys": keys, "values": values, "lengths": self.lengths}, {"seen": self.seen}
+
+    @classmethod
+    def from_state(cls, tensors: dict[str, torch.Tensor], counts: dict[str, int]) -> CompressedLayer:
+        """The layer ``state`` described: compressed when ``tensors`` hold ``lengths``, else dense."""
+        layer = cls()
+        keys, values = tensors["keys"], tensors["values"]
+        layer.device, layer.is_initialized = keys.device, True
+        layer.seen = counts["seen"]
+        if "lengths" not in tensors:  # dense: (b, h_kv, t, d), the tail is the prompt
+            if keys.dim() != 4 or keys.shape != values.shape or keys.shape[2] != layer.seen:
+                raise CacheStateError(f"a dense layer's keys {tuple(keys.shape)} do not hold its {layer.seen} tokens")
+            layer.keys, layer.values, layer.tail = keys, values, layer.seen
+            return layer
+        lengths = tensors["lengths"]
+        if keys.dim() != 2 or keys.shape != values.shape or int(lengths.sum()) != keys.shape[0]:
+            raise CacheStateError(
+                f"a compressed layer's context {tuple(keys.shape)} does not hold the {int(lengths.sum())} entries its "
+                "lengths count"
+            )
+        layer._context_keys, layer._context_values, layer.lengths = keys, values, lengths
+        b, h = lengths.shape
+        layer.keys = keys.new_empty((b, h, 0, keys.shape[-1]))
+        layer.values = values.new_empty((b, h, 0, values.shape[-1]))
+        layer.context_seen = layer.seen
+        return layer
+
     # --- accounting --------------------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Bytes this layer holds: key/value storage (tail capacity included) and its bookkeeping."""

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import operator
+import os
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +78,14 @@ def _check_question(question_ids: torch.Tensor, question_mask: torch.Tensor, row
         raise PaddingError(f"row {row} of the question has no real token; every row needs one to answer from")
 
 
+def token_digest(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> str:
+    """sha256 of a context's token ids (b, t) and mask (b, t), shapes included: which context a saved file holds."""
+    digest = hashlib.sha256(f"{tuple(input_ids.shape)}".encode())
+    for tensor in (input_ids, attention_mask):
+        digest.update(tensor.detach().to("cpu", torch.int64).contiguous().numpy().data)
+    return digest.hexdigest()
+
+
 def warn_unmasked_padding(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
     """Warn when a batch's row starts with the pad token and no ``attention_mask`` tells the padding: it would be
     read as context. input_ids (b, t)."""
@@ -137,6 +148,7 @@ class ContextSession:
         self.mask: torch.Tensor | None = None  # (b, seen) logical attention mask of the cached tokens
         self.context_length = 0
         self.prefill_seconds = self.compress_cpu_seconds = float("nan")  # until a prefill
+        self.context_digest: str | None = None  # sha256 of the context's ids and mask (``persist.token_digest``)
 
     @classmethod
     def from_cache(
@@ -158,7 +170,26 @@ class ContextSession:
         session.last_logits = last_logits
         session.prefill_seconds = prefill_seconds
         session.compress_cpu_seconds = compress_cpu_seconds
+        session.context_digest = None
         return session
+
+    def save(self, path: str | os.PathLike) -> int:
+        """Write the compressed context and what ``ask`` starts from to ``path`` (safetensors, atomically); returns
+        the file's size in bytes. ``ContextSession.load`` reads it back; see docs/serving.md for the file."""
+        from criticalkv.runtime.persist import save_session
+
+        return save_session(self, path)
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike, model: PreTrainedModel, method: str | Method | None = None
+    ) -> ContextSession:
+        """A session ``save`` wrote, ready to ``ask``, on ``model`` (the one it was saved from: its config, weights
+        and dtype are checked, else ``StoredContextError``). ``method``: only for a file whose method is not a
+        preset (a custom ``Method``); it is not run again, the context stays as it was compressed."""
+        from criticalkv.runtime.persist import load_session
+
+        return load_session(path, model, method)
 
     @classmethod
     def stacked(cls, sessions: list[ContextSession]) -> ContextSession:
@@ -200,6 +231,7 @@ class ContextSession:
         self.cache.activate_past_recording()
         self.mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         self.context_length = 0
+        self.context_digest = token_digest(input_ids, self.mask)
         if self.compressor is not None:
             self.compressor.start_prefill()
         start = time.perf_counter()
@@ -233,6 +265,54 @@ class ContextSession:
         ``min_new_tokens`` / ``min_length``). The cache is trimmed back to the context afterwards, so the next
         question sees the same context.
         """
+        question_mask, stops = self._checked(question_ids, question_mask, max_new_tokens, min_new_tokens, eos_token_id)
+        if question_mask is not None and self._padding_reaches_a_window(question_mask, max_new_tokens):
+            return self._by_question_length(question_ids, question_mask, max_new_tokens, min_new_tokens, stops)
+        start = time.perf_counter()
+        steps = self._steps(question_ids, max_new_tokens, stops, question_mask, min_new_tokens)
+        try:
+            tokens, seconds = [], []
+            for token, step_seconds in steps:
+                tokens.append(token)
+                seconds.append(step_seconds)
+        finally:
+            steps.close()  # rewinds now, even when the caller's frame (and this generator) outlives an exception
+        if not tokens:  # max_new_tokens == 0: the question's forward alone
+            empty = torch.empty(self.mask.shape[0], 0, dtype=torch.long, device=self.mask.device)
+            return Generation(empty, time.perf_counter() - start)
+        return Generation(torch.stack(tokens, dim=1), seconds[0], seconds[1:])
+
+    def stream(
+        self,
+        question_ids: torch.Tensor | None = None,
+        max_new_tokens: int = 32,
+        eos_token_id: int | list[int] | str | None = "model",
+        question_mask: torch.Tensor | None = None,
+        min_new_tokens: int = 0,
+    ) -> Iterator[tuple[torch.Tensor, float]]:
+        """``ask`` one token at a time: yields each step's greedy tokens (b,) and the seconds it took (the first:
+        the question's forward). The cache is rewound to the context when the generator ends or is closed.
+
+        Questions of different lengths on a sliding-window model are refused here (``ask`` answers them one length
+        at a time; see ``_padding_reaches_a_window``)."""
+        question_mask, stops = self._checked(question_ids, question_mask, max_new_tokens, min_new_tokens, eos_token_id)
+        if question_mask is not None and self._padding_reaches_a_window(question_mask, max_new_tokens):
+            raise PaddingError(
+                "stream cannot answer questions of different lengths on a sliding-window model (the padding would "
+                "push real tokens out of the window): stream them one length at a time, or use ask"
+            )
+        return self._steps(question_ids, max_new_tokens, stops, question_mask, min_new_tokens)
+
+    def _checked(
+        self,
+        question_ids: torch.Tensor | None,
+        question_mask: torch.Tensor | None,
+        max_new_tokens: int,
+        min_new_tokens: int,
+        eos_token_id: int | list[int] | str | None,
+    ) -> tuple[torch.Tensor | None, list[int]]:
+        """``ask``'s and ``stream``'s arguments checked: the question's mask (b, q) (None: no question) and the stop
+        tokens (``"model"``: the model's own end-of-sequence tokens)."""
         if self.cache is None:
             raise CacheStateError("call prefill(context) first")
         if question_ids is not None:
@@ -244,50 +324,50 @@ class ContextSession:
         if isinstance(eos_token_id, str) and eos_token_id == "model":
             eos_token_id = self.model.generation_config.eos_token_id
         stops = _stop_tokens(eos_token_id)
-        if question_ids is not None and question_ids.shape[1]:
-            question_mask = torch.ones_like(question_ids) if question_mask is None else question_mask
-            _check_question(question_ids, question_mask, self.mask.shape[0])
-            if self._padding_reaches_a_window(question_mask, max_new_tokens):
-                return self._by_question_length(question_ids, question_mask, max_new_tokens, min_new_tokens, stops)
-        try:  # an interrupted answer (Ctrl-C, out of memory) must not leave its tokens in the cache
-            return self._answer(question_ids, question_mask, max_new_tokens, min_new_tokens, stops)
-        finally:
-            self.rewind()
+        if question_ids is None or question_ids.shape[1] == 0:
+            return None, stops
+        question_mask = torch.ones_like(question_ids) if question_mask is None else question_mask
+        _check_question(question_ids, question_mask, self.mask.shape[0])
+        return question_mask, stops
 
-    def _answer(
+    def _steps(
         self,
         question_ids: torch.Tensor | None,
-        question_mask: torch.Tensor | None,
         max_new_tokens: int,
-        min_new_tokens: int,
         stops: list[int],
-    ) -> Generation:
-        """``ask``'s greedy loop; it leaves the question and answer in the cache for ``ask`` to rewind."""
-        start = time.perf_counter()
-        if question_ids is None or question_ids.shape[1] == 0:
-            logits = self.last_logits
-        else:
-            logits = self._forward(question_ids, torch.cat([self.mask, question_mask], dim=1))
-        first = time.perf_counter() - start
-        result = Generation(torch.empty(logits.shape[0], 0, dtype=torch.long, device=logits.device), first)
-        eos = torch.tensor(stops, dtype=torch.long, device=logits.device)
-        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-        full_mask = self.mask_with_pending
-        for step in range(max_new_tokens):
-            if step < min_new_tokens and eos.numel():
-                logits = logits.index_fill(-1, eos, float("-inf"))  # (b, vocab), a copy: no stop token yet
-            token = logits.argmax(-1)  # (b,)
-            if eos.numel():
-                token = torch.where(done, eos[0], token)  # finished rows repeat their end-of-sequence token
-            result.tokens = torch.cat([result.tokens, token[:, None]], dim=1)
-            done |= torch.isin(token, eos)
-            if bool(done.all()) or step == max_new_tokens - 1:
-                break
-            tick = time.perf_counter()
-            full_mask = torch.cat([full_mask, torch.ones_like(token[:, None])], dim=1)
-            logits = self._forward(token[:, None], full_mask)
-            result.decode_seconds.append(time.perf_counter() - tick)
-        return result
+        question_mask: torch.Tensor | None,
+        min_new_tokens: int,
+    ) -> Iterator[tuple[torch.Tensor, float]]:
+        """The greedy decode loop of ``ask`` and ``stream``, its arguments checked (``_checked``; question_mask None:
+        no question). It rewinds the cache when it ends or is closed, also after an exception inside a forward
+        (Ctrl-C, out of memory): an interrupted answer must not leave its tokens in the cache."""
+        try:
+            with torch.no_grad():
+                start = time.perf_counter()
+                if question_mask is None:
+                    logits = self.last_logits
+                else:
+                    logits = self._forward(question_ids, torch.cat([self.mask, question_mask], dim=1))
+                elapsed = time.perf_counter() - start
+                eos = torch.tensor(stops, dtype=torch.long, device=logits.device)
+                done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+                full_mask = self.mask_with_pending
+                for step in range(max_new_tokens):
+                    if step < min_new_tokens and eos.numel():
+                        logits = logits.index_fill(-1, eos, float("-inf"))  # (b, vocab), a copy: no stop token yet
+                    token = logits.argmax(-1)  # (b,)
+                    if eos.numel():
+                        token = torch.where(done, eos[0], token)  # finished rows repeat their end-of-sequence token
+                    done |= torch.isin(token, eos)
+                    yield token, elapsed
+                    if bool(done.all()) or step == max_new_tokens - 1:
+                        break
+                    tick = time.perf_counter()
+                    full_mask = torch.cat([full_mask, torch.ones_like(token[:, None])], dim=1)
+                    logits = self._forward(token[:, None], full_mask)
+                    elapsed = time.perf_counter() - tick
+        finally:
+            self.rewind()
 
     def _padding_reaches_a_window(self, question_mask: torch.Tensor, max_new_tokens: int) -> bool:
         """Whether a padded question (rows of different lengths, mask (b, q)) would put padding inside the window of a
@@ -320,7 +400,7 @@ class ContextSession:
             rows = (lengths == length).nonzero().flatten()  # (g,)
             part = self._rows(rows)
             question = question_ids[rows, -length:]  # (g, length): no padding left
-            generation = part._answer(question, torch.ones_like(question), max_new_tokens, min_new_tokens, stops)
+            generation = part.ask(question, max_new_tokens, stops or None, None, min_new_tokens)
             parts.append((rows, generation))
         width = max(generation.tokens.shape[1] for _, generation in parts)
         tokens = question_ids.new_full((question_ids.shape[0], width), stops[0] if stops else 0)  # (b, n)

@@ -28,7 +28,7 @@ from criticalkv.runtime.compressor import (
     prefill_view,
 )
 from criticalkv.runtime.method import Method
-from criticalkv.runtime.session import ContextSession, warn_unmasked_padding
+from criticalkv.runtime.session import ContextSession, token_digest, warn_unmasked_padding
 from criticalkv.scorers.base import PendingLayer
 
 
@@ -130,6 +130,9 @@ class SharedPrefill(Compressor):
             t.label: ContextSession.from_cache(self.model, self, t.cache, mask, last, seconds, t.compress_cpu_seconds)
             for t in self.targets
         }
+        digest = token_digest(input_ids, mask)
+        for session in sessions.values():
+            session.context_digest = digest
         for target in self.targets:  # each session holds its own cache: one kept session keeps no other alive
             target.cache = None
         return sessions

@@ -1,0 +1,57 @@
+"""``criticalkv serve``: load the model, open the store, run the application under uvicorn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import uvicorn
+
+from criticalkv.budget import Budget
+from criticalkv.errors import CriticalKVError
+from criticalkv.methods import build_method
+from criticalkv.models.presets import cache_root, load_model
+from criticalkv.serve.app import ServerSettings, create_app
+from criticalkv.serve.store import ContextStore
+
+MIB = 1 << 20
+
+
+def default_store() -> Path:
+    """``<cache>/contexts``: stored contexts outlive the server, and a restarted server serves them again."""
+    return cache_root() / "contexts"
+
+
+def serve(
+    model_name: str,
+    method: str,
+    budget: str,
+    store: Path | None,
+    max_memory_mib: float,
+    host: str,
+    port: int,
+    max_document_tokens: int | None,
+    max_tokens: int,
+    dtype: str = "auto",
+    device: str = "auto",
+    options: dict[str, object] | None = None,
+) -> None:
+    options = options or {}
+    parsed = Budget.parse(budget)
+    if build_method(method, **options) is None or parsed.keeps_everything:
+        raise CriticalKVError("serve compresses its contexts: give a compressing --method and a --budget below 1.0")
+    if max_memory_mib <= 0:
+        raise CriticalKVError(f"--max-memory must be > 0 MiB, got {max_memory_mib}")
+    model, tokenizer = load_model(model_name, dtype=dtype, device=device)
+    limit = max_document_tokens or int(getattr(model.config, "max_position_embeddings", 8192))
+    settings = ServerSettings(
+        model=model,
+        tokenizer=tokenizer,
+        model_name=model_name,
+        store=ContextStore(model, store or default_store(), int(max_memory_mib * MIB)),
+        method=method,
+        budget=parsed,
+        options=options,
+        max_document_tokens=limit,
+        default_max_tokens=max_tokens,
+    )
+    uvicorn.run(create_app(settings), host=host, port=port)
