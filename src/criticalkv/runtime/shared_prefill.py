@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer
-from criticalkv.core.positions import positions_from_mask
+from criticalkv.core.positions import forward_on_cache
 from criticalkv.errors import CriticalKVError
 from criticalkv.methods import build_method
 from criticalkv.runtime.compressor import (
@@ -85,16 +85,8 @@ class SharedPrefill(Compressor):
             target.records, target.pending, target.state = [], [], {}
         source = CompressedCache(self.model.config, self)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        positions = positions_from_mask(mask)
         with self:
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                cache=source,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            out = forward_on_cache(self.model, input_ids, mask, source)
             self._inputs = (input_ids, mask)
             for target in self.targets:  # deferred methods decide every layer now, each on its own cache
                 if target.pending:
