@@ -31,7 +31,7 @@ from transformers import AttentionInterface, DynamicCache, PretrainedConfig, Pre
 from transformers.masking_utils import AttentionMaskInterface
 
 from criticalkv.cache.attention import MASKS, base_attention
-from criticalkv.core.positions import positions_from_mask
+from criticalkv.core.positions import forward_on_cache
 from criticalkv.core.view import LayerView
 from criticalkv.errors import CacheStateError, CriticalKVError, UnsupportedModelError
 from criticalkv.logits import logit_changes
@@ -144,16 +144,7 @@ def register() -> None:
 
 
 def _forward(model, ids, mask, cache, hidden: bool):
-    positions = positions_from_mask(mask)[:, -ids.shape[1] :]
-    return model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
-        cache=cache,
-        use_cache=True,
-        output_hidden_states=hidden,
-        logits_to_keep=1,
-    )
+    return forward_on_cache(model, ids, mask, cache, output_hidden_states=hidden)
 
 
 def check_capturable(config: PretrainedConfig) -> None:

@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 from criticalkv.analysis.capture import Capture, LayerCapture
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedLayer
-from criticalkv.core.positions import positions_from_mask
+from criticalkv.core.positions import forward_on_cache
 from criticalkv.core.view import LayerView
 from criticalkv.errors import UnsupportedModelError
 from criticalkv.runtime.method import Method
@@ -324,16 +324,7 @@ def compressed_hidden_states(
                 ids = capture.follow_ids[:, offset : offset + size]
                 offset += size
                 mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
-                positions = positions_from_mask(mask)[:, -size:]
-                out = model(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    cache=cache,
-                    use_cache=True,
-                    output_hidden_states=True,
-                    logits_to_keep=1,
-                )
+                out = forward_on_cache(model, ids, mask, cache, output_hidden_states=True)
                 hidden.append(out.hidden_states[-1])
         empty = capture.hidden.new_empty(capture.hidden.shape[0], 0, capture.hidden.shape[-1])
         runs[label] = CompressedRun(torch.cat(hidden, dim=1) if hidden else empty, same, kept, full)

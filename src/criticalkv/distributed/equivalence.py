@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 
 from criticalkv.budget import Budget
 from criticalkv.core.layout import ParallelLayout
-from criticalkv.core.positions import positions_from_mask
+from criticalkv.core.positions import forward_on_cache
 from criticalkv.methods import build_method
 from criticalkv.runtime.compressor import Compressor
 from criticalkv.runtime.method import Method
@@ -78,15 +78,7 @@ def run_method(
         cache = compressor.new_cache()
         logits, tokens = [], []
         for step in range(new_tokens):
-            positions = positions_from_mask(mask)[:, -ids.shape[1] :]
-            out = model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            out = forward_on_cache(model, ids, mask, cache)
             if step == 0:
                 run.rank_bytes = [int(n) for n in layout.gather(cache.nbytes())]
             logits.append(out.logits[:, -1, :].float().cpu())

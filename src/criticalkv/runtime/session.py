@@ -19,7 +19,7 @@ from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
 from criticalkv.cache.compressed_cache import release_views, storage_bytes
 from criticalkv.core.layout import on_this_stage, stage_layers
-from criticalkv.core.positions import positions_from_mask
+from criticalkv.core.positions import forward_on_cache
 from criticalkv.errors import CacheStateError, CriticalKVError, PaddingError
 from criticalkv.runtime.api import make_compressor
 from criticalkv.runtime.compressor import Compressor, refuse_nesting, require_left_padding
@@ -462,21 +462,13 @@ class ContextSession:
     # --- internals ---------------------------------------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, full_mask: torch.Tensor) -> torch.Tensor:
         """Run new tokens (b, q) given the logical mask of everything so far (b, seen + q); last logits."""
-        positions = positions_from_mask(full_mask)[:, -input_ids.shape[1] :]
         self.mask_with_pending = full_mask
         if self.compressor is not None:
             self.compressor.install()
         else:  # a full session inside another block: that block's hooks would replace or compress its cache
             refuse_nesting(self.model)
         try:
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=full_mask,
-                position_ids=positions,
-                cache=self.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            out = forward_on_cache(self.model, input_ids, full_mask, self.cache)
         finally:
             if self.compressor is not None:
                 self.compressor.uninstall()

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer
-from criticalkv.core.positions import positions_from_mask
+from criticalkv.core.positions import forward_on_cache
 from criticalkv.errors import CriticalKVError, MethodOptionError
 from criticalkv.methods import build_method
 from criticalkv.runtime.compressor import (
@@ -97,17 +97,9 @@ class SharedPrefill(Compressor):
             target.compress_cpu_seconds = 0.0
         source = CompressedCache(self.model.config, self)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        positions = positions_from_mask(mask)
         start = time.perf_counter()
         with self:
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                cache=source,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            out = forward_on_cache(self.model, input_ids, mask, source)
             self._inputs = (input_ids, mask)
             for target in self.targets:  # deferred methods decide every layer now, each on its own cache
                 if target.pending:

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBas
 from transformers.cache_utils import DummyLayer
 
 from criticalkv.cache.compressed_layer import CompressedLayer, as_bool_mask
-from criticalkv.core.positions import positions_from_mask
+from criticalkv.core.positions import forward_on_cache
 from criticalkv.core.view import LayerView
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
 from criticalkv.logits import logit_changes
@@ -385,16 +385,8 @@ class ReconstructionScorer:
             for chunk_ids, chunk_mask in inputs.chunks:
                 probe.query_valid = chunk_mask.bool()
                 full_mask = torch.cat([mask, chunk_mask], dim=1)  # (b, t + q)
-                positions = positions_from_mask(full_mask)[:, t:]
                 try:
-                    context.model(
-                        input_ids=chunk_ids,
-                        attention_mask=full_mask,
-                        position_ids=positions,
-                        cache=cache,
-                        use_cache=True,
-                        logits_to_keep=1,
-                    )
+                    forward_on_cache(context.model, chunk_ids, full_mask, cache)  # positions t.. of the mask
                 finally:  # the chunk's tokens leave every layer, also when the pass failed midway
                     for layer in cache.layers:
                         if isinstance(layer, CompressedLayer) and layer.seen > t:
