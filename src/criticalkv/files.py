@@ -12,18 +12,18 @@ from pathlib import Path
 from criticalkv.errors import UnreadableFileError
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path``'s content with ``text`` (UTF-8), all of it or none.
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Replace ``path``'s content with ``data`` (text as UTF-8, or bytes), all of it or none.
 
-    The text goes to a temporary file in the same folder, flushed to disk, which then takes ``path``'s name
+    The data go to a temporary file in the same folder, flushed to disk, which then takes ``path``'s name
     (``os.replace``, atomic within a file system): a full disk or a kill while writing leaves the old file whole, never
     a truncated or empty one. The new file keeps the old one's permissions (a new one gets the umask's).
     """
     path = Path(path)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with temporary.open("x", encoding="utf-8") as out:  # created as a new file is: the umask's permissions
-            out.write(text)
+        with temporary.open("xb") as out:  # created as a new file is: the umask's permissions
+            out.write(data.encode("utf-8") if isinstance(data, str) else data)
             out.flush()
             os.fsync(out.fileno())
         if path.exists():

@@ -11,9 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import weakref
-from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -24,6 +22,7 @@ from transformers.cache_utils import Cache
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer
 from criticalkv.errors import CacheStateError, StoredContextError
+from criticalkv.files import write_atomic
 from criticalkv.methods import PRESETS, build_method, parse_method_spec
 from criticalkv.runtime.api import make_compressor
 from criticalkv.runtime.compressor import Compressor
@@ -104,27 +103,6 @@ def _header(compressor: Compressor | None, model: PreTrainedModel, kind: str, **
     }
 
 
-def write_atomically(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder, flushed to disk and renamed over
-    ``path``: a reader sees the old file or the new one, and a failure (a full disk) leaves no partial file."""
-    path = Path(path)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:  # the rename itself reaches the disk
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-
-
 def _write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], header: dict[str, object]) -> int:
     """Serialise and write atomically; the bytes written."""
     # safetensors wants each tensor contiguous with a storage of its own (a view of a larger buffer is copied)
@@ -133,7 +111,7 @@ def _write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], header: di
         for name, t in tensors.items()
     }
     data = safetensors_bytes(owned, metadata={HEADER_KEY: json.dumps(header, sort_keys=True)})
-    write_atomically(path, data)
+    write_atomic(path, data)
     return len(data)
 
 
