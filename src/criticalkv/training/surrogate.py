@@ -55,9 +55,9 @@ class TrainingOptions:
         The reconstruction scorer's chunk size (the scores the surrogate learns).
     """
 
-    windows: int = 12
-    held_out: int = 3
-    tokens: int = 2048
+    windows: int = 8
+    held_out: int = 2
+    tokens: int = 1024
     seed: int = 0
     ridge: float = 1e-3
     budget: float = 0.2
@@ -304,7 +304,7 @@ def _windows_digest(windows: list[torch.Tensor]) -> str:
 
 
 def train_and_save(
-    model_name: str, out: Path, options: TrainingOptions, device: str = "cpu", dtype: str = "auto"
+    model_name: str, out: Path, options: TrainingOptions, device: str = "cpu", dtype: str = "float32"
 ) -> SurrogateWeights:
     """Load ``model_name`` (a preset or a folder), fit its surrogate on the King James text and save it to ``out``
     (safetensors, and the card beside it as JSON)."""
