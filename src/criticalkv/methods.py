@@ -24,6 +24,7 @@ from criticalkv.scorers import (
     ReconstructionScorer,
     SnapKVScorer,
     StreamingScorer,
+    SurrogateScorer,
     TOVAScorer,
 )
 from criticalkv.selectors import CriticalSelector, DefensiveSelector, PerturbationSelector, TopKSelector
@@ -131,6 +132,31 @@ PRESETS: dict[str, Preset] = {
     "critical-layer-reconstruct": Preset(
         "KVzip's cross-layer budgets, then CriticalKV's two-stage selection per head",
         lambda: Method(ReconstructionScorer(), CrossLayerAllocator(), CriticalSelector()),
+    ),
+    "surrogate": Preset(
+        "the reconstruction scores predicted from each entry's key and value by a per-layer linear map (shipped for "
+        "the preset models, or weights=<file> from train-scorer): no pass beyond the prefill; top-k per head",
+        _preset(SurrogateScorer, TopKSelector),
+    ),
+    "critical-surrogate": Preset(
+        "CriticalKV over the surrogate scores: two-stage selection per head",
+        _preset(SurrogateScorer, CriticalSelector),
+    ),
+    "ada-surrogate": Preset(
+        "surrogate scores, AdaKV head budgets (safeguard 0.2), top-k per head",
+        lambda: Method(SurrogateScorer(), AdaKVAllocator(), TopKSelector()),
+    ),
+    "critical-ada-surrogate": Preset(
+        "surrogate scores, AdaKV head budgets, CriticalKV's two-stage selection per head",
+        lambda: Method(SurrogateScorer(), AdaKVAllocator(), CriticalSelector()),
+    ),
+    "layer-surrogate": Preset(
+        "layer-reconstruct at the price of a prefill: the surrogate scores ranked over every layer and head at once",
+        lambda: Method(SurrogateScorer(), CrossLayerAllocator(), TopKSelector()),
+    ),
+    "critical-layer-surrogate": Preset(
+        "the surrogate's cross-layer budgets, then CriticalKV's two-stage selection per head",
+        lambda: Method(SurrogateScorer(), CrossLayerAllocator(), CriticalSelector()),
     ),
 }
 

@@ -6,6 +6,7 @@ from criticalkv.scorers.knorm import KeyNormScorer
 from criticalkv.scorers.reconstruct import ReconstructionScorer
 from criticalkv.scorers.snapkv import SnapKVScorer
 from criticalkv.scorers.streaming import StreamingScorer
+from criticalkv.scorers.surrogate import SurrogateScorer
 from criticalkv.scorers.tova import TOVAScorer
 
 __all__ = [
@@ -16,5 +17,6 @@ __all__ = [
     "Scorer",
     "SnapKVScorer",
     "StreamingScorer",
+    "SurrogateScorer",
     "TOVAScorer",
 ]

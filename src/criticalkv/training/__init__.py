@@ -1,0 +1,1 @@
+"""Fitting learned pieces to a model: the surrogate of the reconstruction scorer (``criticalkv train-scorer``)."""

