@@ -64,6 +64,8 @@ def test_run_command_finds_the_needle_with_the_full_cache(tmp_path):
             "run",
             "--method",
             "critical-snapkv",
+            "--mode",
+            "aware",
             "--context-tokens",
             "1024",
             "--max-new-tokens",
