@@ -1,9 +1,11 @@
-"""docs/api.md names every public name of the package and shows each callable's signature as the code has it."""
+"""docs/api.md names every public name of the package, shows each callable's signature as the code has it, and is
+what docs/make_api.py generates from the code today."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import json
 import re
@@ -113,3 +115,11 @@ def test_method_names_come_in_the_order_of_the_readme_table():
 
     readme = (API.parent.parent / "README.md").read_text()
     assert re.findall(r"(?m)^\| `([a-z-]+)` \|", readme) == method_names()
+
+
+def test_api_md_is_generated_from_the_code() -> None:
+    """A docstring or signature changed since docs/api.md was written: run ``python docs/make_api.py``."""
+    spec = importlib.util.spec_from_file_location("make_api", API.parent / "make_api.py")
+    make_api = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_api)
+    assert API.read_text() == make_api.render(), "docs/api.md is out of date: run python docs/make_api.py"

@@ -115,7 +115,8 @@ def test_run_json_folder_created_before_loading(tmp_path, monkeypatch):
         (["run", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 1, got -1"),
         (["eval", "ruler", "--max-new-tokens", "-5"], "--max-new-tokens must be >= 0, got -5"),
         (["eval", "ruler", "--samples", "0"], "--samples must be >= 1, got 0"),
-        (["run", "--depth", "1.5"], "--depth must be in [0, 1], got 1.5"),
+        (["run", "--depths", "0.5,1.5"], "--depths must be in [0, 1], got 1.5"),
+        (["run", "--depths", ","], "--depths needs at least one depth"),
         (["run", "--context-tokens", "0"], "--context-tokens must be >= 1, got 0"),
         (["run", "--method", ","], "--method (--methods) needs at least one preset"),
         (["eval", "ruler", "--methods", ""], "--methods needs at least one method"),
@@ -204,16 +205,32 @@ def test_context_longer_than_the_model_refused_before_its_weights_load(short_mod
 
 def test_run_asks_the_users_own_questions_about_the_needle_prompt(tiny_tokenizer, tmp_path, no_model):
     """Questions of one's own on the generated haystack are asked as typed, with no expected answer (they were
-    answered after the needle's answer prefix, and marked found when the needle came out); --seed, like
-    --context-tokens and --depth, shapes that haystack only."""
+    answered after a needle's answer prefix, and marked found when that needle came out); --seed, like
+    --context-tokens and --depths, shapes that haystack only."""
     from criticalkv.cli import _document
 
-    context, asked = _document(tiny_tokenizer, None, ["Who wrote the essays?"], 300, 0.5, 0)
+    context, asked = _document(tiny_tokenizer, None, ["Who wrote the essays?"], 300, [0.25, 0.5, 0.75], 0)
     assert asked == [("Who wrote the essays?", None, "")] and context
-    _, (needle,) = _document(tiny_tokenizer, None, [], 300, 0.5, 0)
+    _, (needle,) = _document(tiny_tokenizer, None, [], 300, [0.5], 0)
     assert needle[1] is not None and needle[1] in context and needle[2]  # the needle's question, answer and prefix
     (tmp_path / "doc.txt").write_text("A text.")
     _refused(["run", "--context-file", str(tmp_path / "doc.txt"), "--question", "Q?", "--seed", "3"], "--seed")
+
+
+def test_runs_default_prompt_asks_one_question_per_needle_of_one_context(tiny_tokenizer, no_model):
+    """Without --question the generated context holds a needle per depth and each is asked for, with its own
+    expected answer and answer prefix, about the same context; the needles' order is the depths' order."""
+    from criticalkv.cli import NEEDLE_DEPTHS, _document
+
+    depths = [float(d) for d in NEEDLE_DEPTHS.split(",")]
+    context, asked = _document(tiny_tokenizer, None, [], 400, depths, 0)
+    assert len(asked) == len(depths) == 3
+    assert len({q for q, _, _ in asked}) == 3 and len({a for _, a, _ in asked}) == 3  # three different needles
+    positions = [context.index(answer) for _, answer, _ in asked]
+    assert positions == sorted(positions)  # 0.25, 0.5, 0.75 of the context, in that order
+    for question, answer, prefix in asked:
+        key = question.split(" for ")[1].split(" ")[0]
+        assert f"One of the special magic numbers for {key} is: {answer}." in context and key in prefix
 
 
 def test_eval_mode_and_its_older_spelling():
@@ -277,7 +294,8 @@ def test_methods_that_cannot_compress_the_model_are_refused_before_its_load(
     ("args", "message"),
     [
         (["run", "--context-file", "/nonexistent.txt", "--question", "hi"], "--context-file /nonexistent.txt is not"),
-        (["run", "--context-file", __file__, "--question", "hi", "--depth", "0.2"], "not a --context-file"),
+        (["run", "--context-file", __file__, "--question", "hi", "--depths", "0.2"], "not a --context-file"),
+        (["run", "--depths", "0.2,x"], "--depths takes comma-separated floats"),
         (["run", "--context-file", __file__, "--question", "hi", "--context-tokens", "99"], "not a --context-file"),
         (["perturbation", "--from-json", "/nonexistent.json"], "cannot read /nonexistent.json"),
         (["perturbation", "--n", "0", "--exhaustive-check", "--exhaustive-entries", "20"], "<= 16, got 200, 4, 20"),
@@ -431,18 +449,23 @@ def test_max_new_tokens_caps_a_benchmarks_own_count_and_never_raises_it():
 
 
 def test_run_with_several_questions_says_which_row_answers_which(short_model, tmp_path):
-    """Question-agnostic runs ask every question on one compressed context: the table then names each row's
-    question, in full width also when written to a pipe (rich's 80 columns would cut it)."""
+    """Question-agnostic runs ask every question on one compressed context: the answers table has a row per question
+    and a column per cache, side by side, in full width also when written to a pipe (rich's 80 columns would cut
+    it); the cost table has one row per method (one prefill each)."""
     context = tmp_path / "context.txt"
     context.write_text("The quick brown fox jumps over the lazy dog. " * 3)
     args = ["run", "--model", str(short_model), "--device", "cpu", "--context-file", str(context), "--mode", "agnostic"]
     args += ["--question", "Who jumps?", "--question", "Over what?", "--methods", "snapkv", "--max-new-tokens", "2"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, (result.exception, result.output)
-    header = next(line for line in result.output.splitlines() if "method" in line)
-    assert "question" in header and "decode ms/tok" in header
-    rows = [line for line in result.output.splitlines() if "Who jumps?" in line or "Over what?" in line]
-    assert len(rows) == 4  # full and snapkv, each for both questions
+    lines = result.output.splitlines()
+    answers = next(line for line in lines if "question" in line and "expected" in line)
+    assert "full" in answers and "snapkv" in answers
+    rows = [line for line in lines if "Who jumps?" in line or "Over what?" in line]
+    assert len(rows) == 2  # one per question, the full cache and snapkv side by side
+    cost = next(line for line in lines if "method" in line and "kept entries" in line)
+    assert "question" not in cost and "first token s" in cost and "decode ms/tok" in cost
+    assert sum(line.lstrip("│ ").startswith(("full", "snapkv")) for line in lines) == 2  # one prefill per method
 
 
 def test_an_install_command_in_an_error_is_one_line_to_paste(monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval import needle
-from criticalkv.eval.needle import build_needle_sample, needle_prompt_ids
+from criticalkv.eval.needle import build_needle_sample, build_needles_sample, needle_prompt_ids
 from criticalkv.prompts import chat_prompt_parts, encode_prompt, encode_prompt_parts, text_token_span
 
 
@@ -51,6 +51,32 @@ def test_bad_arguments(tiny_tokenizer) -> None:
         build_needle_sample(tiny_tokenizer, 100, depth=1.5)
     with pytest.raises(CriticalKVError, match="context_tokens"):
         build_needle_sample(tiny_tokenizer, 0)
+
+
+def test_several_needles_in_one_context(tiny_tokenizer) -> None:
+    """The first needle is the single-needle sample's own (same key and value at the same place); the others have
+    keys of their own, sit in depth order, and every sample carries the one shared context and its length."""
+    single = build_needle_sample(tiny_tokenizer, 600, depth=0.25, seed=7)
+    samples = build_needles_sample(tiny_tokenizer, 600, [0.25, 0.5, 0.75], seed=7)
+    assert (samples[0].key, samples[0].answer) == (single.key, single.answer)
+    assert len({s.key for s in samples}) == 3
+    context = samples[0].context
+    assert all(s.context == context for s in samples)
+    assert all(s.context_tokens == n_tokens(tiny_tokenizer, context) for s in samples)
+    assert [context.count(s.needle) for s in samples] == [1, 1, 1]
+    positions = [context.index(s.needle) for s in samples]
+    assert positions == sorted(positions)
+    assert context.replace(samples[1].needle + " ", "").replace(samples[2].needle + " ", "") == single.context
+    assert [s.depth for s in samples] == [0.25, 0.5, 0.75]
+    assert all(s.key in s.question and s.key in s.answer_prefix for s in samples)
+    assert build_needles_sample(tiny_tokenizer, 600, [0.25], seed=7)[0] == single
+
+
+def test_several_needles_refuse_bad_depths(tiny_tokenizer) -> None:
+    with pytest.raises(CriticalKVError, match="at least one depth"):
+        build_needles_sample(tiny_tokenizer, 300, [])
+    with pytest.raises(CriticalKVError, match="depth must be in"):
+        build_needles_sample(tiny_tokenizer, 300, [0.5, 1.5])
 
 
 def test_plain_parts_without_chat_template(tiny_tokenizer) -> None:

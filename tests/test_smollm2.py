@@ -58,22 +58,8 @@ def test_adakv_decoding_equals_masked_dense_cache(smollm2_folder, smollm2_tokeni
 
 def test_run_command_finds_the_needle_with_the_full_cache(tmp_path):
     report = tmp_path / "run.json"
-    result = CliRunner().invoke(
-        app,
-        [
-            "run",
-            "--method",
-            "critical-snapkv",
-            "--mode",
-            "aware",
-            "--context-tokens",
-            "1024",
-            "--max-new-tokens",
-            "12",
-            "--json",
-            str(report),
-        ],
-    )
+    args = ["run", "--method", "critical-snapkv", "--mode", "aware", "--depths", "0.5", "--context-tokens", "1024"]
+    result = CliRunner().invoke(app, [*args, "--max-new-tokens", "12", "--json", str(report)])
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())
     by_method = {r["method"]: r for r in data["results"]}
@@ -81,3 +67,21 @@ def test_run_command_finds_the_needle_with_the_full_cache(tmp_path):
     assert by_method["critical-snapkv"]["kept_fraction"] == pytest.approx(0.2, abs=0.005)
     assert by_method["critical-snapkv"]["kv_bytes_after_compression"] < 0.21 * by_method["full"]["kv_bytes_full"]
     assert data["mode"] == "question-aware"
+
+
+def test_the_main_job_asks_three_questions_of_one_question_agnostic_cache(tmp_path):
+    """``./ckv run``'s defaults: the context is compressed once per method by critical-layer-reconstruct before any
+    question, and the three needles' questions are asked of that one cache (the same bytes and prefill for each)."""
+    report = tmp_path / "run.json"
+    args = ["run", "--context-tokens", "1024", "--max-new-tokens", "12", "--json", str(report)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert data["mode"] == "question-agnostic"
+    rows = data["results"]
+    assert [r["method"] for r in rows] == ["full"] * 3 + ["critical-layer-reconstruct"] * 3
+    assert len({r["question"] for r in rows}) == 3 and all(r["expected"] for r in rows)
+    compressed = rows[3:]
+    assert len({(r["kv_bytes_after_compression"], r["prefill_seconds"]) for r in compressed}) == 1  # one prefill
+    assert compressed[0]["kept_fraction"] == pytest.approx(0.2, abs=0.005)
+    assert all(r["context_tokens"] == rows[0]["context_tokens"] for r in rows)  # one context for every question

@@ -13,6 +13,7 @@ from typing import Annotated
 import torch
 import transformers
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from criticalkv.analysis.command import perturbation
@@ -210,18 +211,20 @@ def _writable(path: Path) -> None:
         raise CriticalKVError(f"cannot write {path}")
 
 
-def _document(tokenizer, context_file: Path | None, questions: list[str], context_tokens: int, depth: float, seed: int):
-    """(context, [(question, expected answer or None, answer prefix)]): the needle's question with its answer and
-    answer prefix, or the user's questions as asked, with no expected answer (the needle's prefix would answer the
+def _document(
+    tokenizer, context_file: Path | None, questions: list[str], context_tokens: int, depths: list[float], seed: int
+):
+    """(context, [(question, expected answer or None, answer prefix)]): each needle's question with its answer and
+    answer prefix, or the user's questions as asked, with no expected answer (a needle's prefix would answer that
     needle's question instead)."""
     if context_file is not None:
         return read_context(context_file), [(q, None, "") for q in questions]
-    from criticalkv.eval.needle import build_needle_sample
+    from criticalkv.eval.needle import build_needles_sample
 
-    sample = build_needle_sample(tokenizer, context_tokens, depth=depth, seed=seed)
+    samples = build_needles_sample(tokenizer, context_tokens, depths, seed=seed)
     if questions:
-        return sample.context, [(q, None, "") for q in questions]
-    return sample.context, [(sample.question, sample.answer, sample.answer_prefix)]
+        return samples[0].context, [(q, None, "") for q in questions]
+    return samples[0].context, [(s.question, s.answer, s.answer_prefix) for s in samples]
 
 
 def read_context(path: Path) -> str:
@@ -242,7 +245,8 @@ def read_context(path: Path) -> str:
     return text
 
 
-NEEDLE_TOKENS, NEEDLE_DEPTH = 4096, 0.5  # run's generated needle prompt, without --context-file
+# run's generated prompt, without --context-file: three needles, three questions about one compressed context
+NEEDLE_TOKENS, NEEDLE_DEPTHS = 4096, "0.25,0.5,0.75"
 
 
 @app.command()
@@ -250,7 +254,7 @@ def run(
     model: Annotated[str, typer.Option(help="Preset name, local folder or hub id.")] = DEFAULT_PRESET,
     method: Annotated[
         str, typer.Option("--method", "--methods", help="Comma-separated presets, compared with the full cache.")
-    ] = "critical-snapkv",
+    ] = "critical-layer-reconstruct",
     budget: Annotated[str, typer.Option(help="Fraction kept (0.2) or entries per head (512).")] = "0.2",
     mode: ModeOption = None,
     context_file: Annotated[Path | None, typer.Option(help="A text file to use as the context.")] = None,
@@ -262,8 +266,12 @@ def run(
             "come on top; not with --context-file)."
         ),
     ] = None,
-    depth: Annotated[
-        float | None, typer.Option(help="Needle depth in [0, 1] (default 0.5; not with --context-file).")
+    depths: Annotated[
+        str | None,
+        typer.Option(
+            help=f"Comma-separated depths in [0, 1], one needle with its own question each (default {NEEDLE_DEPTHS}; "
+            "not with --context-file)."
+        ),
     ] = None,
     seed: Annotated[
         int | None, typer.Option(help="Seed of the needle prompt (default 0; not with --context-file).")
@@ -284,7 +292,7 @@ def run(
             context_file,
             question or [],
             context_tokens,
-            depth,
+            depths,
             seed,
             max_new_tokens,
             dtype,
@@ -305,7 +313,7 @@ def _run(
     context_file,
     questions,
     context_tokens,
-    depth,
+    depths,
     seed,
     max_new_tokens,
     dtype,
@@ -328,17 +336,20 @@ def _run(
         read_context(context_file)  # a missing, empty or binary file is refused before the model loads
     if context_file is not None and not questions:
         raise CriticalKVError("--context-file needs at least one --question")
-    if context_file is not None and (context_tokens is not None or depth is not None or seed is not None):
+    if context_file is not None and (context_tokens is not None or depths is not None or seed is not None):
         raise CriticalKVError(
-            "--context-tokens, --depth and --seed shape the generated needle prompt, not a --context-file"
+            "--context-tokens, --depths and --seed shape the generated needle prompt, not a --context-file"
         )
     seed = 0 if seed is None else seed
     context_tokens = NEEDLE_TOKENS if context_tokens is None else context_tokens
-    depth = NEEDLE_DEPTH if depth is None else depth
-    if context_file is None and not 0.0 <= depth <= 1.0:  # the needle's settings, checked before loading the model
-        raise CriticalKVError(f"--depth must be in [0, 1], got {depth}")
-    if context_file is None:
+    needle_depths = parse_numbers(NEEDLE_DEPTHS if depths is None else depths, float, "--depths")
+    if context_file is None:  # the needles' settings, checked before loading the model
         at_least(context_tokens, 1, "--context-tokens")
+        if not needle_depths:
+            raise CriticalKVError("--depths needs at least one depth")
+        for depth in needle_depths:
+            if not 0.0 <= depth <= 1.0:
+                raise CriticalKVError(f"--depths must be in [0, 1], got {depth}")
     from criticalkv.prompts import encode_prompt
 
     asked: list[tuple[str, str | None, str]] = []
@@ -346,7 +357,7 @@ def _run(
 
     def prepare(config, tokenizer) -> None:
         """The prompts, each checked to fit the model, before its weights load."""
-        context, listed = _document(tokenizer, context_file, questions, context_tokens, depth, seed)
+        context, listed = _document(tokenizer, context_file, questions, context_tokens, needle_depths, seed)
         asked.extend(listed)
         encoded.extend(encode_prompt(tokenizer, context, q, answer_prefix=prefix) for q, _, prefix in listed)
         for prefix_ids, suffix_ids in encoded:
@@ -435,28 +446,57 @@ def _run(
 
 
 def _print(results: list[RunResult], model_name: str, mode: str, budget: Budget, layout: ParallelLayout) -> None:
+    """Two tables: each question's answers, one column per cache, side by side; then what each prefill cost."""
     title = f"{model_name} · question-{mode} · budget {budget}"
-    columns = ["method", "answer", "found", "kept entries", "KV MiB", "prefill s", "decode ms/tok"]
     if layout.distributed:
         title += f" · tensor-parallel {layout.tp_size} x pipeline {layout.pp_size}"
-        columns.insert(5, "KV MiB per rank (max)")
-    questions = len({r.question for r in results}) > 1  # several questions: say which one each row answers
-    if questions:
+    methods_ = list(dict.fromkeys(r.method for r in results))
+    questions = list(dict.fromkeys(r.question for r in results))
+    by_pair = {(r.method, r.question): r for r in results}
+    answers = Table("question", "expected", *methods_, title=f"{title} · answers")
+    for column in answers.columns:
+        column.overflow = "fold"  # a question or a method spec is read whole, on several lines when narrow
+    for q in questions:
+        first = by_pair[(methods_[0], q)]
+        cells = [_answer_cell(by_pair[(m, q)]) for m in methods_]
+        answers.add_row(q, first.expected or "", *cells)
+    console.print(answers)
+    columns = ["method", "kept entries", "KV MiB", "prefill s", "first token s", "decode ms/tok"]
+    if layout.distributed:
+        columns.insert(3, "KV MiB per rank (max)")
+    if mode == "aware":  # one prefill per question
         columns.insert(1, "question")
-    table = Table(*columns, title=title)
-    table.columns[0].overflow = "fold"  # a method spec is read whole, on several lines when the terminal is narrow
-    for r in results:
-        found = "" if r.found is None else ("[green]yes[/green]" if r.found else "[red]no[/red]")
-        kept = f"{r.kept_entries:,} ({100 * r.kept_fraction:.1f}%)"
-        if r.layers_kept_whole:
-            kept += f", {r.layers_kept_whole} layers kept whole (the context within the budget or the window)"
-        mib = f"{r.kv_bytes_full / 2**20:.1f} -> {r.kv_bytes_after_compression / 2**20:.1f}"
-        cells = [r.method, *([r.question[:40]] if questions else []), r.answer[:60], found, kept, mib]
-        if layout.distributed:
-            per_rank = " ".join(f"{n / 2**20:.2f}" for n in r.kv_bytes_per_rank)
-            cells.append(f"{per_rank} ({max(r.kv_bytes_per_rank) / 2**20:.2f})")
-        table.add_row(*cells, f"{r.prefill_seconds:.2f}", f"{1000 * r.decode_seconds_per_token:.1f}")
-    console.print(table)
+    cost = Table(*columns, title=f"{title} · cost")
+    cost.columns[0].overflow = "fold"
+    for name in methods_:
+        rows = [r for r in results if r.method == name]
+        prefills = rows if mode == "aware" else rows[:1]  # agnostic: one prefill, the questions answered after it
+        for r in prefills:
+            kept = f"{r.kept_entries:,} ({100 * r.kept_fraction:.1f}%)"
+            if r.layers_kept_whole:
+                kept += f", {r.layers_kept_whole} layers kept whole (the context within the budget or the window)"
+            mib = f"{r.kv_bytes_full / 2**20:.1f} -> {r.kv_bytes_after_compression / 2**20:.1f}"
+            cells = [name, *([r.question[:40]] if mode == "aware" else []), kept, mib]
+            if layout.distributed:
+                per_rank = " ".join(f"{n / 2**20:.2f}" for n in r.kv_bytes_per_rank)
+                cells.append(f"{per_rank} ({max(r.kv_bytes_per_rank) / 2**20:.2f})")
+            timed = [r] if mode == "aware" else rows  # agnostic: each question's own forward, averaged
+            first_token = sum(t.first_token_seconds for t in timed) / len(timed)
+            decode = sum(t.decode_seconds_per_token for t in timed) / len(timed)
+            cost.add_row(*cells, f"{r.prefill_seconds:.2f}", f"{first_token:.2f}", f"{1000 * decode:.1f}")
+    console.print(cost)
+    if mode == "agnostic" and len(questions) > 1:
+        console.print(
+            "agnostic: one prefill per method compresses the context; each question is then asked of that cache "
+            "(first token s: the question's own forward, averaged over the questions)",
+            style="dim",
+        )
+
+
+def _answer_cell(r: RunResult) -> str:
+    """The answer, marked green or red where an expected answer says whether it was found."""
+    mark = "" if r.found is None else ("[green]yes[/green] " if r.found else "[red]no[/red] ")
+    return mark + escape(r.answer[:60])
 
 
 @app.command("calibrate-heads")

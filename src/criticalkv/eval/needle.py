@@ -10,6 +10,7 @@ import bisect
 import json
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib.util import find_spec
@@ -120,6 +121,12 @@ def _insert_at_sentence(haystack: str, needle: str, target_char: int) -> str:
     return f"{haystack[:cut]}{needle} {haystack[cut:]}"
 
 
+def _key_and_value(rng: random.Random) -> tuple[str, str]:
+    """A 7-digit value and an adjective-noun key such as "misty-harbor", drawn from ``rng`` in that order."""
+    value = str(rng.randint(1_000_000, 9_999_999))
+    return value, f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+
+
 def build_needle_sample(
     tokenizer: PreTrainedTokenizerBase,
     context_tokens: int,
@@ -158,9 +165,8 @@ def build_needle_sample(
         raise CriticalKVError(f"context_tokens must be positive, got {context_tokens}.")
     if not 0.0 <= depth <= 1.0:
         raise CriticalKVError(f"depth must be in [0, 1], got {depth}.")
-    rng = random.Random(seed)
-    value = str(rng.randint(1_000_000, 9_999_999))
-    key = key or f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+    value, drawn_key = _key_and_value(random.Random(seed))
+    key = key or drawn_key
     needle = NEEDLE.format(key=key, value=value)
 
     def count(text: str) -> int:
@@ -194,6 +200,67 @@ def build_needle_sample(
         needle=needle,
         answer_prefix=ANSWER_PREFIX.format(key=key),
     )
+
+
+def build_needles_sample(
+    tokenizer: PreTrainedTokenizerBase, context_tokens: int, depths: Sequence[float], seed: int = 0
+) -> list[NeedleSample]:
+    """One haystack holding a needle at each of ``depths``, each needle with its own key, value and question.
+
+    The first needle is ``build_needle_sample(tokenizer, context_tokens, depths[0], seed)``; each further one is
+    inserted at the sentence boundary nearest to its depth x the context's length (in characters), so the context
+    grows by the extra needles' tokens.
+
+    Parameters
+    ----------
+    tokenizer : PreTrainedTokenizerBase
+        The model's tokenizer: lengths are measured in its tokens.
+    context_tokens : int
+        Target length of the haystack with the first needle, in tokens.
+    depths : sequence of float
+        One relative position in [0, 1] per needle; at least one.
+    seed : int
+        Seeds every key and value; same inputs -> same samples.
+
+    Returns
+    -------
+    list of NeedleSample
+        One per depth, in the order of ``depths``, all with the same ``context`` (every needle in it) and
+        ``context_tokens`` (its length); the keys differ.
+
+    Raises
+    ------
+    CriticalKVError
+        No depth, a depth outside [0, 1], or what ``build_needle_sample`` refuses.
+    """
+    if not depths:
+        raise CriticalKVError("build_needles_sample needs at least one depth.")
+    first = build_needle_sample(tokenizer, context_tokens, depth=depths[0], seed=seed)
+    rng = random.Random(seed)
+    _key_and_value(rng)  # the first needle's draw, taken again so that the next draws differ from it
+    context, drawn = first.context, [(first.key, first.answer, depths[0])]
+    for depth in depths[1:]:
+        if not 0.0 <= depth <= 1.0:
+            raise CriticalKVError(f"depth must be in [0, 1], got {depth}.")
+        value, key = _key_and_value(rng)
+        while key in {k for k, _, _ in drawn}:  # each question must name one needle only
+            value, key = _key_and_value(rng)
+        context = _insert_at_sentence(context, NEEDLE.format(key=key, value=value), round(depth * len(context)))
+        drawn.append((key, value, depth))
+    tokens = len(tokenizer(context, add_special_tokens=False)["input_ids"])
+    return [
+        NeedleSample(
+            context=context,
+            question=QUESTION.format(key=key),
+            answer=value,
+            depth=depth,
+            context_tokens=tokens,
+            key=key,
+            needle=NEEDLE.format(key=key, value=value),
+            answer_prefix=ANSWER_PREFIX.format(key=key),
+        )
+        for key, value, depth in drawn
+    ]
 
 
 def needle_prompt_ids(tokenizer: PreTrainedTokenizerBase, context_tokens: int, seed: int = 0) -> list[int]:
