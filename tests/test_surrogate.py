@@ -206,7 +206,7 @@ def test_a_model_without_a_shipped_surrogate_is_refused_with_the_train_command()
 
 
 def test_scoring_outside_a_compressor_says_how_to_use_it(trained):
-    from criticalkv.scorers.base import LayerView
+    from criticalkv.core.view import LayerView
 
     model = _model()
     zeros = torch.zeros(1, 2, 4, 16)

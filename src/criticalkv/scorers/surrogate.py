@@ -24,10 +24,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from criticalkv.core.view import LayerView
 from criticalkv.errors import CriticalKVError
 from criticalkv.models.families import attention_modules
 from criticalkv.models.fingerprint import model_fingerprint
-from criticalkv.scorers.base import LayerView
 
 FEATURES = "rope-pair-magnitudes+keys+values/v1"  # the feature layout the weights are fitted on
 TRAIN_COMMAND = "criticalkv train-scorer --model <preset or folder> --out <file>.safetensors"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from criticalkv.eval.needle import chat_prompt_parts, encode_prompt_parts
+from criticalkv.prompts import chat_prompt_parts, encode_prompt_parts
 
 #: a stand-in document when only the question's part of the template is wanted (the split does not depend on it)
 _ANY_DOCUMENT = "document"

@@ -21,8 +21,8 @@ from criticalkv.errors import CriticalKVError
 from criticalkv.methods import Method
 from criticalkv.models.fingerprint import architecture_of, model_fingerprint
 from criticalkv.progress import step_progress
-from criticalkv.runtime.compressor import PrefillContext
 from criticalkv.runtime.session import ContextSession
+from criticalkv.scorers.base import PrefillContext
 from criticalkv.scorers.reconstruct import ReconstructionScorer
 from criticalkv.scorers.surrogate import FEATURES, SurrogateWeights, surrogate_features
 from criticalkv.training.text import TrainingText, kjv_text
