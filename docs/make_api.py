@@ -78,7 +78,7 @@ def _default(parameter: inspect.Parameter) -> str:
     if value is dataclasses.MISSING or repr(value) == "<factory>":
         return "..."
     if isinstance(value, str):
-        return json.dumps(value)  # double quotes; a newline shows as \n
+        return json.dumps(value, ensure_ascii=False)  # double quotes; a newline shows as \n
     return repr(value)
 
 

