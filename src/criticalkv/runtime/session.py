@@ -14,7 +14,7 @@ from transformers.cache_utils import Cache
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
 from criticalkv.cache.compressed_cache import release_views, storage_bytes
-from criticalkv.distributed.layout import on_this_stage, stage_layers
+from criticalkv.distributed.layout import StageLength, on_this_stage, stage_layers
 from criticalkv.errors import CacheStateError, CriticalKVError, PaddingError
 from criticalkv.runtime.api import make_compressor
 from criticalkv.runtime.compressor import Compressor, refuse_nesting, require_left_padding
@@ -85,12 +85,16 @@ def warn_unmasked_padding(model: PreTrainedModel, input_ids: torch.Tensor, atten
         )
 
 
+class StageDynamicCache(StageLength, DynamicCache):
+    """transformers' ``DynamicCache``, its length read from a layer this pipeline stage holds (``StageLength``)."""
+
+
 def full_cache(model: PreTrainedModel) -> DynamicCache:
     """transformers' own cache for the full context. On a pipeline stage the layers other stages run are
-    ``DummyLayer``, as in ``CompressedCache``: transformers sizes masks from the first cache layer that is not one,
-    and that layer must be one this stage fills (an empty layer would size a question's mask to the question alone,
-    and ``get_seq_length`` would read 0, so a rewind would drop nothing)."""
-    cache = DynamicCache(config=model.config)
+    ``DummyLayer``, as in ``CompressedCache``: transformers sizes masks, and ``StageLength`` reads the length, from
+    the first cache layer that is not one, and that layer must be one this stage fills (an empty layer would size a
+    question's mask to the question alone, and ``get_seq_length`` would read 0, so a rewind would drop nothing)."""
+    cache = StageDynamicCache(config=model.config)
     cache.layers[:] = on_this_stage(cache.layers, stage_layers(model))
     return cache
 
