@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -16,11 +17,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM
+from transformers.cache_utils import DummyLayer
 from transformers.distributed import DistributedConfig
 from typer.testing import CliRunner
 
 import criticalkv
 from criticalkv.allocators import AdaKVAllocator, HeadProfile
+from criticalkv.cache import CompressedCache
 from criticalkv.cli import app
 from criticalkv.core.layout import GATHERED_STYLES, plan_style
 from criticalkv.distributed import (
@@ -38,6 +41,7 @@ from criticalkv.errors import CriticalKVError, UnsupportedModelError
 from criticalkv.methods import build_method
 from criticalkv.models import presets
 from criticalkv.runtime.method import Method
+from criticalkv.runtime.session import full_cache
 from criticalkv.scorers import LayerView
 
 METHODS = ["critical-snapkv", "critical-adakv", "critical-headkv", "critical-tova", "layer-defensive", "defensive"]
@@ -498,3 +502,41 @@ def test_the_torchrun_branch_of_load_model_passes_the_pre_load_hooks_on(monkeypa
     assert launch.load_model("some/folder", check_config=check, with_tokenizer=prepare) == ("model", "tokenizer")
     assert seen["check_config"] is check and seen["with_tokenizer"] is prepare
     assert seen["distributed_config"].tp_size == 2
+
+
+# --------------------------------------------------------------------------------------------------------------
+# a pipeline stage's caches, in this process
+
+
+class _SecondOfTwoStages:
+    """What ``stage_layers`` reads of transformers' ``PipelineStage``: rank 1 of 2 runs layers 2 and 3 of 4."""
+
+    pp_rank = 1
+
+    def layer_range_for_rank(self, rank: int, num_layers: int) -> tuple[int, int]:
+        return rank * num_layers // 2, (rank + 1) * num_layers // 2
+
+
+def _second_stage_caches() -> list:
+    """The full and the compressed cache of the second stage of a 4-layer model; layers 0 and 1 are ``DummyLayer``."""
+    model = types.SimpleNamespace(config=_config(64), _pp_stage=_SecondOfTwoStages())
+    full = full_cache(model)
+    compressed = CompressedCache(model.config, types.SimpleNamespace(model=model))
+    for cache in (full, compressed):
+        assert [type(layer) is DummyLayer for layer in cache.layers] == [True, True, False, False]
+    return [full, compressed]
+
+
+@pytest.mark.parametrize("kind", [0, 1], ids=["full", "compressed"])
+def test_a_later_stage_reads_its_cache_length_from_a_layer_it_holds(kind):
+    """transformers (5.25 on) reads a cache's length from layer 0 itself, on a later stage another stage's
+    ``DummyLayer``, which has no length: the stage's caches answer from the layers they fill, and a crop (a rewind)
+    shows in that answer."""
+    cache = _second_stage_caches()[kind]
+    assert cache.get_seq_length() == 0
+    states = torch.randn(ROWS, 2, 7, 16)  # (b, h_kv, t, d)
+    for index in (2, 3):
+        cache.layers[index].update(states, states)  # what the stage's own attention layers append
+    assert [cache.get_seq_length(index) for index in range(4)] == [7, 7, 7, 7]
+    cache.crop(-3)
+    assert cache.get_seq_length() == 4

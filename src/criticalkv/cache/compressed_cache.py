@@ -9,7 +9,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DummyLayer
 
 from criticalkv.cache.compressed_layer import CompressedLayer, owning
-from criticalkv.core.layout import on_this_stage, stage_layers
+from criticalkv.core.layout import StageLength, on_this_stage, stage_layers
 from criticalkv.errors import CacheStateError
 from criticalkv.models.families import layer_types
 
@@ -46,12 +46,13 @@ def release_views(layers, slack: float = 0.0) -> None:
                 setattr(layer, name, owning(tensor))
 
 
-class CompressedCache(Cache):
+class CompressedCache(StageLength, Cache):
     """A cache whose full-attention layers can be compressed right after their prefill.
 
     Sliding-window layers (Gemma 3, Mistral with a window) already hold at most their window and are left
     to transformers' own layers, uncompressed. On a pipeline stage, the layers other stages run are
-    transformers' ``DummyLayer`` (they hold nothing, and masks are sized from a layer the stage runs).
+    transformers' ``DummyLayer`` (they hold nothing; masks are sized, and the length read, from a layer the stage
+    runs: ``StageLength``).
     """
 
     def __init__(self, config: PretrainedConfig, compressor: CacheOwner | None = None) -> None:

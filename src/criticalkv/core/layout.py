@@ -118,9 +118,29 @@ def stage_layers(model: PreTrainedModel) -> set[int] | None:
 
 def on_this_stage(layers: list[CacheLayerMixin], owned: set[int] | None) -> list[CacheLayerMixin]:
     """A cache's ``layers`` (one per decoder layer) with those another pipeline stage runs replaced by transformers'
-    ``DummyLayer``: they hold nothing, and transformers sizes masks (and reads the cache length) from the first
-    layer that is not one, which must be a layer this stage fills. ``owned``: ``stage_layers``' set (None: all)."""
+    ``DummyLayer``: they hold nothing, and transformers sizes masks (and ``StageLength`` reads the cache length) from
+    the first layer that is not one, which must be a layer this stage fills. ``owned``: ``stage_layers``' set (None:
+    all)."""
     return layers if owned is None else [layer if i in owned else DummyLayer() for i, layer in enumerate(layers)]
+
+
+class StageLength:
+    """Mixin for a transformers ``Cache`` whose other pipeline stages' layers are ``DummyLayer`` (``on_this_stage``):
+    its length is read from a layer this stage holds.
+
+    transformers reads a cache's length with ``get_seq_length()``, from layer 0 by default (the model's positions, our
+    prefill and rewind checks). Up to transformers 5.24 ``Cache.get_seq_length`` passed over a layer 0 that tracks no
+    length (a ``DummyLayer``) to the first attention layer; since 5.25 it asks layer 0 itself, and ``DummyLayer`` has
+    no ``get_seq_length``, so on every stage but the first that read fails. Every layer a stage holds has seen the
+    same tokens, so the first of them answers for the stage, whichever layer is asked.
+    """
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        layers = self.layers
+        if layer_idx < len(layers) and isinstance(layers[layer_idx], DummyLayer):
+            held = (i for i, layer in enumerate(layers) if not isinstance(layer, DummyLayer))
+            layer_idx = next(held, len(layers))  # none held: transformers' answer past the last layer, 0
+        return super().get_seq_length(layer_idx)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache, DummyLayer, DynamicSlidingWindowLaye
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
 from criticalkv.cache.compressed_cache import release_views, storage_bytes
-from criticalkv.core.layout import on_this_stage, stage_layers
+from criticalkv.core.layout import StageLength, on_this_stage, stage_layers
 from criticalkv.core.positions import forward_on_cache
 from criticalkv.errors import CacheStateError, CriticalKVError, PaddingError
 from criticalkv.runtime.api import make_compressor
@@ -98,12 +98,16 @@ def warn_unmasked_padding(model: PreTrainedModel, input_ids: torch.Tensor, atten
         )
 
 
+class StageDynamicCache(StageLength, DynamicCache):
+    """transformers' ``DynamicCache``, its length read from a layer this pipeline stage holds (``StageLength``)."""
+
+
 def full_cache(model: PreTrainedModel) -> DynamicCache:
     """transformers' own cache for the full context. On a pipeline stage the layers other stages run are
-    ``DummyLayer``, as in ``CompressedCache``: transformers sizes masks from the first cache layer that is not one,
-    and that layer must be one this stage fills (an empty layer would size a question's mask to the question alone,
-    and ``get_seq_length`` would read 0, so a rewind would drop nothing)."""
-    cache = DynamicCache(config=model.config)
+    ``DummyLayer``, as in ``CompressedCache``: transformers sizes masks, and ``StageLength`` reads the length, from
+    the first cache layer that is not one, and that layer must be one this stage fills (an empty layer would size a
+    question's mask to the question alone, and ``get_seq_length`` would read 0, so a rewind would drop nothing)."""
+    cache = StageDynamicCache(config=model.config)
     cache.layers[:] = on_this_stage(cache.layers, stage_layers(model))
     return cache
 
