@@ -202,7 +202,7 @@ def test_cli_run_under_torchrun(tiny_root: Path, monkeypatch):
     args += ["--context-tokens", "200"]
     args += ["--max-new-tokens", "3", "--dtype", "float32"]
     split = _torchrun(tiny_root, "criticalkv.cli", *args, "--json", str(tiny_root / "split.json"))
-    assert split.stdout.count("question-agnostic · budget 0.2 · answers") == 1  # one table: rank 1 printed nothing
+    assert split.stdout.count("question-aware (--mode aware)") == 1  # printed once: rank 1 printed nothing
     monkeypatch.setenv("CRITICALKV_CACHE_DIR", str(tiny_root / "cache"))
     single = CliRunner().invoke(app, [*args, "--json", str(tiny_root / "single.json")])
     assert single.exit_code == 0, single.output

@@ -20,9 +20,11 @@ from criticalkv import Budget, build_method, method_names
 from criticalkv.allocators import HeadKVAllocator, HeadProfile
 from criticalkv.errors import UnsupportedModelError
 from criticalkv.logits import SINKS, logit_changes
-from criticalkv.models.families import SUPPORTED_FAMILIES, layer_types
+from criticalkv.models.families import SUPPORTED_FAMILIES, full_attention_layers, head_dim, layer_types
+from criticalkv.models.fingerprint import model_fingerprint
 from criticalkv.runtime.session import ContextSession
-from criticalkv.scorers import ReconstructionScorer
+from criticalkv.scorers import ReconstructionScorer, SurrogateScorer
+from criticalkv.scorers.surrogate import SurrogateWeights, feature_count
 from criticalkv.selectors import PerturbationSelector
 
 VOCAB = 320  # above the tiny tokenizer's 300 ids: the reconstruction presets write their prompt with it
@@ -64,10 +66,23 @@ def _options(name: str, model, tokenizer) -> dict:
     options: dict = {}
     if isinstance(method.scorer, ReconstructionScorer):
         options.update(tokenizer=tokenizer, chunk_size=CONTEXT)  # one reconstruction chunk: fast
+    if isinstance(method.scorer, SurrogateScorer):
+        options["weights"] = _random_surrogate(model)
     if isinstance(method.allocator, HeadKVAllocator):
         importance = torch.rand(model.config.num_hidden_layers, model.config.num_key_value_heads) + 0.1
         options["profile"] = HeadProfile.from_config(model.config, importance, name="tiny")
     return options
+
+
+def _random_surrogate(model) -> SurrogateWeights:
+    """Random linear maps for a random model, which no shipped surrogate fits: the presets' plumbing is tested here,
+    the fit in test_surrogate.py."""
+    layers = tuple(full_attention_layers(model.config))
+    shape = (len(layers), model.config.num_key_value_heads)
+    weight = 0.1 * torch.randn(
+        *shape, feature_count(head_dim(model.config)), generator=torch.Generator().manual_seed(5)
+    )
+    return SurrogateWeights(weight, torch.zeros(shape), layers, model_fingerprint(model))
 
 
 def _refusal(name: str, model) -> str | None:
