@@ -321,3 +321,20 @@ def test_the_shipped_smollm2_surrogate_is_found_in_either_dtype(smollm2_folder, 
     session.prefill(torch.randint(0, 1000, (1, 200), generator=torch.Generator().manual_seed(6)))
     heads = model.config.num_hidden_layers * model.config.num_key_value_heads
     assert session.kv_entries() == heads * 40
+
+
+def test_every_shipped_surrogate_is_small_and_names_its_preset_and_fit():
+    """The issue's bounds on what ships: at most 2 MB a model, a card naming a model preset, every layer fitted, and
+    held-out fit figures (the training text's last fifth)."""
+    from criticalkv.models.presets import PRESETS
+    from criticalkv.scorers.surrogate import shipped_surrogates
+
+    files = shipped_surrogates()
+    assert {path.stem for path in files} >= {"smollm2-135m", "qwen2.5-0.5b"}
+    for path in files:
+        weights = SurrogateWeights.load(path)
+        card = weights.card
+        assert path.stat().st_size <= 2 * 1024 * 1024
+        assert card["model"]["name"] in PRESETS and card["model"]["fingerprint"] == weights.fingerprint
+        assert weights.layers == tuple(range(card["model"]["architecture"]["num_hidden_layers"]))
+        assert 0.5 < card["held_out_fit"]["mean_spearman"] <= 1 and card["held_out_fit"]["windows"] >= 2

@@ -340,3 +340,25 @@ def test_a_method_name_that_meant_another_configuration_is_not_resumed_or_merged
     (second / "methods.json").unlink()
     merge_sweeps([first, second], tmp_path / "merged")
     assert set(json.loads((tmp_path / "merged" / "methods.json").read_text())) == {"snapkv", "tova"}
+
+
+def test_ruler_samples_are_answered_index_major(monkeypatch, tmp_path, tiny_tokenizer):
+    """Sample 0 of every task, then sample 1, ...: a long sweep stopped early has every task evenly answered."""
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from criticalkv.cli import app
+
+    def load(model, dtype, device, methods, prepare):
+        prepare(LlamaConfig(max_position_embeddings=4096), tiny_tokenizer)
+        return SimpleNamespace(dtype=torch.float32), tiny_tokenizer
+
+    seen = []
+    monkeypatch.setattr("criticalkv.eval.commands._load", load)
+    monkeypatch.setattr("criticalkv.eval.commands.run_sweep", lambda model, tok, samples, *a, **k: seen.extend(samples))
+    monkeypatch.setattr("criticalkv.eval.commands.write_report", lambda folder: folder)
+    args = ["eval", "ruler", "--tasks", "vt,niah_single_1", "--samples", "2", "--length", "3000"]
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    assert [(s.index, s.task) for s in seen] == [(0, "vt"), (0, "niah_single_1"), (1, "vt"), (1, "niah_single_1")]

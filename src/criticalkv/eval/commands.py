@@ -242,6 +242,8 @@ def ruler(
                             reserve_answer=reserve_answer,
                         )
                     )
+            # index-major: sample 0 of every task, then sample 1, ...: a sweep stopped early has every task evenly
+            every.sort(key=lambda sample: sample.index)  # stable: the tasks keep their order within an index
 
         loaded, tokenizer = _load(model, dtype, device, built, prepare)
 
