@@ -42,7 +42,7 @@ from criticalkv.methods import build_method
 from criticalkv.models import presets
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.session import full_cache
-from criticalkv.scorers import LayerView
+from criticalkv.scorers import LayerView, Scorer
 
 METHODS = ["critical-snapkv", "critical-adakv", "critical-headkv", "critical-tova", "layer-defensive", "defensive"]
 CAPPED = "critical-adakv:max_rank_imbalance=0"  # every rank holds the same share of each layer
@@ -423,7 +423,7 @@ def test_one_process_sees_every_head():
     assert view.o_proj_weight is attention.o_proj.weight
 
 
-class _NegativeOnRankOne:
+class _NegativeOnRankOne(Scorer):
     """Scores below zero on the heads rank 1 holds, not declared non-negative."""
 
     def __init__(self, rank: int) -> None:

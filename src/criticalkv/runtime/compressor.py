@@ -70,7 +70,7 @@ def check_methods_config(config: PretrainedConfig, methods: Sequence[Method | No
     """Refuse, from the checkpoint's config alone (the commands check it before loading weights), a model one of
     ``methods`` cannot compress: an unsupported family, a model whose every attention layer is a sliding-window one
     (nothing to compress), sliding-window layers with a scorer that cannot run beside them
-    (``supports_sliding_windows = False``: reconstruction), or what the optional ``check_config(config)`` of a
+    (``supports_sliding_windows = False``: reconstruction), or what the ``check_config(config)`` of a
     scorer, allocator or selector refuses (reconstruction: soft-capped logits and sinks; measured selectors:
     sinks), and a forced flash-attn path (``$CRITICALKV_ATTENTION=flash``) on soft-capped or sink attention. None
     (the full cache, in a ``SharedPrefill``) needs the family alone."""
@@ -90,16 +90,14 @@ def check_methods_config(config: PretrainedConfig, methods: Sequence[Method | No
     sliding = sum(kind != "full_attention" for kind in kinds)
     for method in compressing:
         scorer = method.scorer
-        if sliding and not getattr(scorer, "supports_sliding_windows", True):
+        if sliding and not scorer.supports_sliding_windows:
             raise UnsupportedModelError(
                 f"{type(scorer).__name__} does not support models with sliding-window layers yet ({sliding} of this "
                 f"model's {len(kinds)} layers): their caches cannot be rewound after its passes; use a scorer that "
                 "reads the prefill alone (snapkv, tova, knorm, ...)"
             )
-        for piece in (scorer, method.allocator, method.selector):
-            check_config = getattr(piece, "check_config", None)
-            if check_config is not None:
-                check_config(config)
+        for piece in method.pieces:
+            piece.check_config(config)
     if requested_path() == "flash" and logit_changes(config):
         raise UnsupportedModelError(
             f"{ATTENTION_ENV_VAR}=flash: this model soft-caps its attention logits or adds attention sinks, which "
@@ -110,7 +108,7 @@ def check_methods_config(config: PretrainedConfig, methods: Sequence[Method | No
 def check_compressible(model: PreTrainedModel, method: Method | None) -> None:
     """Refuse, before any forward, a model ``method`` cannot compress: what ``check_methods_config`` refuses of its
     config, a forced flash-attn path (``$CRITICALKV_ATTENTION=flash``) the model's device, dtype or heads cannot
-    take, and what the optional ``check_model(model)`` of the scorer, allocator or selector refuses
+    take, and what the ``check_model(model)`` of the scorer, allocator or selector refuses
     (reconstruction: its tokenizer)."""
     check_methods_config(model.config, [method])
     if method is None:
@@ -120,10 +118,8 @@ def check_compressible(model: PreTrainedModel, method: Method | None) -> None:
         reasons = flash_setup_reasons(weight.device, weight.dtype, head_dim(model.config))
         if reasons:
             raise UnsupportedModelError(f"{ATTENTION_ENV_VAR}=flash cannot run on this model: {'; '.join(reasons)}")
-    for piece in (method.scorer, method.allocator, method.selector):
-        check_model = getattr(piece, "check_model", None)
-        if check_model is not None:
-            check_model(model)
+    for piece in method.pieces:
+        piece.check_model(model)
 
 
 def require_left_padding(valid: torch.Tensor) -> None:
@@ -408,7 +404,7 @@ class Compressor:
         """Decide and compress the pending layers of a deferred method, all together."""
         start = time.process_time()
         scores = None
-        if getattr(method.scorer, "after_prefill", False):
+        if method.scorer.after_prefill:
             ids, mask = self._inputs
             finishing, self._finishing = self._finishing, True  # the scorer's own forwards are not prefills
             try:
@@ -434,7 +430,7 @@ class Compressor:
 
     def defer_layer(self, view: LayerView, layer: CompressedLayer, method: Method) -> PendingLayer:
         """Keep a layer dense until the end of the prefill; score it now unless its scorer waits for the end."""
-        if not getattr(method.scorer, "after_prefill", False):
+        if not method.scorer.after_prefill:
             method.scores_of(view)  # computed while the full query is at hand, kept in the view's memo
         rows = min(method.query_rows, view.query.shape[2])
         b, h_kv, _, d = view.keys.shape
