@@ -460,15 +460,42 @@ class Compressor:
         scaling: float,
         layer: CompressedLayer,
     ) -> None:
+        """Compress a layer right after its prefill attention (the attention function calls it): query
+        (b, h_q, t, d), keys and values (b, h_kv, t, d) as the layer computed them, ``layer`` the cache's storage."""
         start = time.process_time()
-        view = prefill_view(module, query, keys, values, attention_mask, scaling, self.facts)
-        if self.method.deferred:
-            self.pending.append(self.defer_layer(view, layer, self.method))
-        else:
-            decision = self.method.decide(view, self.budget, self.prefill_state(self.active_cache))
-            apply_shrink(self.active_cache, decision.shrink, self.records)  # before this layer grows: a lower peak
-            self._apply(layer, view, decision, self.records)
+        self.compress_view(prefill_view(module, query, keys, values, attention_mask, scaling, self.facts), layer)
         self.compress_cpu_seconds += time.process_time() - start
+
+    def compress_view(self, view: LayerView, layer: CompressedLayer) -> None:
+        """Compress a layer's prefill ``view`` into ``layer`` of the active cache under this compressor's method and
+        budget (a ``SharedPrefill`` compresses it into one cache per target)."""
+        cache = self.active_cache
+        pending = self.compress_into(
+            view, layer, self.method, self.budget, cache, self.records, self.prefill_state(cache)
+        )
+        if pending is not None:
+            self.pending.append(pending)
+
+    def compress_into(
+        self,
+        view: LayerView,
+        layer: CompressedLayer,
+        method: Method,
+        budget: Budget,
+        cache: CompressedCache,
+        records: list[LayerRecord],
+        state: dict,
+    ) -> PendingLayer | None:
+        """Compress one layer's prefill ``view`` into ``layer`` (its storage in ``cache``) under ``method`` and
+        ``budget``: decide it now, shrink the earlier layers of ``cache`` as a streaming allocator orders (``state``:
+        its scratch dict for this prefill) and add what was kept to ``records``. A deferred method's layer stays
+        dense: it is returned pending, for ``finish_deferred`` at the end of the prefill."""
+        if method.deferred:
+            return self.defer_layer(view, layer, method)
+        decision = method.decide(view, budget, state)
+        apply_shrink(cache, decision.shrink, records)  # before this layer grows: a lower peak
+        self._apply(layer, view, decision, records)
+        return None
 
     def prefill_state(self, cache: CompressedCache) -> dict:
         """The method's scratch dict for the prefill of ``cache`` (streaming allocators); fresh for a new cache."""
