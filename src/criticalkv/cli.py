@@ -31,7 +31,7 @@ from criticalkv.models.loading import load_notes
 from criticalkv.models.presets import DEFAULT_PRESET, list_presets
 from criticalkv.progress import layer_progress, output_console, print_error
 from criticalkv.runtime.api import make_compressor
-from criticalkv.runtime.compressor import check_methods_config
+from criticalkv.runtime.checks import check_methods_config
 from criticalkv.runtime.session import ContextSession
 
 app = typer.Typer(help="KV-cache eviction for long-context inference: CriticalKV over SnapKV and friends.")

@@ -25,7 +25,7 @@ from criticalkv.models.loading import load_notes
 from criticalkv.models.presets import DEFAULT_PRESET
 from criticalkv.progress import output_console, print_error
 from criticalkv.prompts import encode_prompt
-from criticalkv.runtime.compressor import check_methods_config
+from criticalkv.runtime.checks import check_methods_config
 
 if TYPE_CHECKING:  # needle_grid pulls matplotlib: imported by the command only
     from transformers import PretrainedConfig, PreTrainedTokenizerBase

@@ -20,11 +20,8 @@ from criticalkv.core.positions import forward_on_cache
 from criticalkv.core.view import LayerView
 from criticalkv.errors import CriticalKVError, MethodOptionError
 from criticalkv.methods import build_method
-from criticalkv.runtime.compressor import (
-    Compressor,
-    LayerRecord,
-    check_compressible,
-)
+from criticalkv.runtime.checks import check_compressible
+from criticalkv.runtime.compressor import Compressor, LayerRecord
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.session import ContextSession, token_digest, warn_unmasked_padding
 from criticalkv.scorers.base import PendingLayer
