@@ -29,7 +29,7 @@ from criticalkv.cache import CompressedLayer
 from criticalkv.cache.attention import compressed_attention
 from criticalkv.cache.fused_attention import ATTENTION_ENV_VAR
 from criticalkv.eval.needle import needle_prompt_ids
-from criticalkv.models.presets import load_model
+from criticalkv.models import load_model
 from criticalkv.runtime.session import ContextSession
 
 FULL = "full cache"

@@ -20,7 +20,7 @@ import torch
 
 from criticalkv.eval.needle import needle_prompt_ids
 from criticalkv.methods import build_method
-from criticalkv.models.presets import load_model
+from criticalkv.models import load_model
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.shared_prefill import SharedPrefill
 

@@ -24,7 +24,7 @@ from criticalkv.analysis.capture import capture
 from criticalkv.budget import Budget
 from criticalkv.eval.needle import needle_prompt_ids
 from criticalkv.methods import build_method
-from criticalkv.models.presets import load_model
+from criticalkv.models import load_model
 from criticalkv.selectors.measured import WindowPerturbation
 
 

@@ -27,8 +27,8 @@ from timed_generation import child_environment, peak_memory_above, reset_peak_me
 from criticalkv.cache import CompressedLayer
 from criticalkv.cache.fused_attention import ATTENTION_ENV_VAR, PATHS
 from criticalkv.eval.needle import needle_prompt_ids
+from criticalkv.models import load_model
 from criticalkv.models.families import head_dim
-from criticalkv.models.presets import load_model
 from criticalkv.runtime.session import ContextSession
 
 CPU = torch.device("cpu")

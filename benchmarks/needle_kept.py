@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from criticalkv.eval.needle import build_needle_sample
-from criticalkv.models.presets import load_model
+from criticalkv.models import load_model
 from criticalkv.prompts import chat_prompt_parts, encode_prompt_parts, text_token_span
 from criticalkv.runtime.session import ContextSession
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from criticalkv.eval.needle import needle_prompt_ids
-from criticalkv.models.presets import load_model
+from criticalkv.models import load_model
 from criticalkv.runtime.session import ContextSession
 from criticalkv.selectors import critical as critical_module
 from criticalkv.selectors import norm_screen

@@ -94,7 +94,7 @@ EXTRACT
         local source
         source="$(cd "$REPO" && "$PYTHON" -c "
 import sys
-from criticalkv.models.presets import resolve_model_folder
+from criticalkv.models import resolve_model_folder
 print(resolve_model_folder(sys.argv[1]))" "$shape")"
         mkdir -p "$dir/shapes/$shape"
         for name in "${SHAPE_FILES[@]}"; do

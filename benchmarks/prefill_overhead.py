@@ -24,7 +24,7 @@ import torch
 import transformers
 
 from criticalkv.eval.needle import needle_prompt_ids
-from criticalkv.models.presets import load_model
+from criticalkv.models import load_model
 from criticalkv.runtime.session import ContextSession
 
 

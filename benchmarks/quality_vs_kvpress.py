@@ -38,7 +38,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from criticalkv.eval import ruler
 from criticalkv.methods import build_method
-from criticalkv.models.presets import PRESETS, load_model, resolve_model_folder
+from criticalkv.models import PRESETS, load_model, resolve_model_folder
 from criticalkv.prompts import encode_prompt
 from criticalkv.runtime.shared_prefill import SharedPrefill
 

@@ -59,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     source = Path(args.source)
     if not source.is_dir():
-        from criticalkv.models.presets import PRESETS, resolve_model_folder
+        from criticalkv.models import PRESETS, resolve_model_folder
 
         if args.source not in PRESETS:
             raise SystemExit(f"{args.source} is neither a folder nor a preset ({', '.join(PRESETS)})")

@@ -25,7 +25,7 @@ import uvicorn
 
 from criticalkv.budget import Budget
 from criticalkv.eval.needle import build_needle_sample
-from criticalkv.models.presets import load_model
+from criticalkv.models import load_model
 from criticalkv.serve.app import ServerSettings, create_app
 from criticalkv.serve.store import ContextStore
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from criticalkv.eval.needle import build_needle_sample
-from criticalkv.models.presets import load_model
+from criticalkv.models import load_model
 from criticalkv.prompts import encode_prompt
 from criticalkv.runtime.session import ContextSession
 from criticalkv.runtime.shared_prefill import SharedPrefill

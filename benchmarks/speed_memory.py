@@ -118,7 +118,7 @@ def measure_ours(args: argparse.Namespace) -> list[dict]:
     from transformers import DynamicCache
 
     import criticalkv
-    from criticalkv.models.presets import load_model
+    from criticalkv.models import load_model
 
     device = torch.device(args.device)
     ids = torch.tensor(json.loads(args.ids.read_text())["input_ids"], dtype=torch.long, device=device)
@@ -375,7 +375,7 @@ def main() -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     from criticalkv.methods import build_method
-    from criticalkv.models.presets import PRESETS, resolve_model_folder
+    from criticalkv.models import PRESETS, resolve_model_folder
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from criticalkv.eval.needle import build_needle_sample, encode_prompt
-from criticalkv.models.presets import load_model
+from criticalkv.models import load_model
 from criticalkv.runtime.session import ContextSession
 
 

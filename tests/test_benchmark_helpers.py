@@ -406,20 +406,6 @@ def test_prefill_page_faults_count_memory_first_touched_inside_the_prefill(tiny_
     assert result["prefill_minor_faults"] >= 32
 
 
-class _UndeclaredSnapKV:
-    """SnapKV's scores from a scorer that does not say they are non-negative."""
-
-    def score(self, view):
-        from criticalkv.scorers import SnapKVScorer
-
-        return SnapKVScorer().score(view)
-
-    def protected(self, view):
-        from criticalkv.scorers import SnapKVScorer
-
-        return SnapKVScorer().protected(view)
-
-
 def test_prefill_operator_count_sees_compression_and_host_reads(tiny_tokenizer) -> None:
     """The full cache's prefill reads nothing back to the host; compression adds operators and host reads."""
     import torch
@@ -456,8 +442,12 @@ def test_prefill_operator_count_sees_compression_and_host_reads(tiny_tokenizer) 
         screened = count_prefill_ops(model, ids, DynamicCache(config=config))
     h_kv = config.num_key_value_heads
     assert screened["prefill_host_reads"] == 4 + 2 * (2 + h_kv) * config.num_hidden_layers
+
     # a scorer that does not declare its scores non-negative has them checked: one read per layer
-    unchecked = criticalkv.Method(_UndeclaredSnapKV(), selector=criticalkv.selectors.CriticalSelector(screen=False))
+    class UndeclaredSnapKV(criticalkv.scorers.SnapKVScorer):  # SnapKV's scores, not said to be non-negative
+        non_negative = False
+
+    unchecked = criticalkv.Method(UndeclaredSnapKV(), selector=criticalkv.selectors.CriticalSelector(screen=False))
     with criticalkv.compress(model, unchecked, 0.5):
         checked = count_prefill_ops(model, ids, DynamicCache(config=config))
     assert checked["prefill_host_reads"] == 4 + config.num_hidden_layers

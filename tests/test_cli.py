@@ -23,7 +23,7 @@ def no_model(monkeypatch):
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr("criticalkv.distributed.launch.load_model", load)
-    monkeypatch.setattr("criticalkv.models.presets.load_model", load)
+    monkeypatch.setattr("criticalkv.models.loading.load_model", load)
 
 
 def _refused(args: list[str], message: str) -> None:
@@ -180,7 +180,7 @@ def test_context_longer_than_the_model_refused_before_its_weights_load(short_mod
         def from_pretrained(*args, **kwargs):
             raise AssertionError("the weights were loaded")
 
-    monkeypatch.setattr("criticalkv.models.presets.AutoModelForCausalLM", NoWeights)
+    monkeypatch.setattr("criticalkv.models.loading.AutoModelForCausalLM", NoWeights)
     model = ["--model", str(short_model), "--device", "cpu"]
     context = tmp_path / "context.txt"
     context.write_text("The quick brown fox jumps over the lazy dog. " * 20)

@@ -1,4 +1,4 @@
-"""The core layer's shared helpers, and the one window a method observes."""
+"""The core layer's shared helpers, the one window a method observes, and the contracts of its pieces."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from hypothesis import strategies as st
 
 import criticalkv
 from criticalkv import Method
+from criticalkv.allocators import Allocator, UniformAllocator
 from criticalkv.core.positions import positions_from_mask
 from criticalkv.errors import MethodOptionError
-from criticalkv.scorers import DefensiveScorer, SnapKVScorer, TOVAScorer
-from criticalkv.selectors import CriticalSelector, DefensiveSelector
+from criticalkv.scorers import DefensiveScorer, Scorer, SnapKVScorer, TOVAScorer
+from criticalkv.selectors import CriticalSelector, DefensiveSelector, Selector, TopKSelector
 
 
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6)), min_size=1, max_size=4))
@@ -42,3 +43,41 @@ def test_the_method_states_its_window() -> None:
     assert Method(TOVAScorer()).window is None
     assert criticalkv.build_method("critical-snapkv", window=64).window == 64
     assert criticalkv.build_method("critical-snapkv", window=64).query_rows == 64
+
+
+class _Recent(Scorer):
+    """A scorer of the user's own that states only its contract: recency, nothing protected."""
+
+    def score(self, view):
+        return torch.arange(view.keys.shape[2], dtype=torch.float32).expand(view.keys.shape[:3])
+
+    def protected(self, view):
+        return torch.zeros_like(view.valid)
+
+
+def test_a_piece_deriving_from_its_contract_inherits_every_default() -> None:
+    """The optional capabilities are members of the contracts, with defaults the runtime reads directly."""
+    scorer, allocator, selector = Method(_Recent()).pieces
+    assert scorer.window is None and not scorer.non_negative and not scorer.after_prefill
+    assert scorer.supports_sliding_windows
+    assert (allocator.cross_layer, allocator.streaming) == (False, False)
+    assert not selector.needs_non_negative_scores and selector.window is None
+    scores = torch.rand(1, 2, 5)
+    assert selector.rank(scores, torch.tensor([3]), torch.zeros(1, 5, dtype=torch.bool), None) is scores
+    for piece in (scorer, allocator, selector):
+        assert piece.check_config(None) is None and piece.check_model(None) is None
+    assert isinstance(UniformAllocator(), Allocator) and isinstance(TopKSelector(), Selector)
+
+
+def test_a_piece_outside_its_contract_is_refused_with_the_way_in() -> None:
+    class Bare:  # score and protected, but none of the optional members
+        def score(self, view):
+            return view.keys.new_zeros(view.keys.shape[:3])
+
+        def protected(self, view):
+            return torch.zeros_like(view.valid)
+
+    with pytest.raises(MethodOptionError, match=r"derive it from criticalkv\.scorers\.Scorer"):
+        Method(Bare())
+    with pytest.raises(MethodOptionError, match=r"as the selector .* criticalkv\.selectors\.Selector"):
+        Method(SnapKVScorer(), selector=Bare())

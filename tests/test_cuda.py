@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import criticalkv
 from criticalkv.cache.fused_attention import choose_path
 from criticalkv.errors import CriticalKVError
-from criticalkv.models.presets import resolve_device
+from criticalkv.models.device_dtype import resolve_device
 from criticalkv.runtime.session import ContextSession
 from criticalkv.runtime.shared_prefill import SharedPrefill
 

@@ -22,10 +22,10 @@ from criticalkv.methods import build_method
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.session import ContextSession
 from criticalkv.runtime.shared_prefill import SharedPrefill
-from criticalkv.scorers import DefensiveScorer, LayerView, SnapKVScorer
+from criticalkv.scorers import DefensiveScorer, LayerView, Scorer, SnapKVScorer
 from criticalkv.scorers.base import last_positions
 from criticalkv.scorers.defensive import window_statistics
-from criticalkv.selectors import DefensiveSelector, TopKSelector
+from criticalkv.selectors import DefensiveSelector, Selector, TopKSelector
 from criticalkv.selectors.base import keep_protected
 from criticalkv.selectors.defensive import take_ordered
 
@@ -303,7 +303,7 @@ def test_presets_compose():
 # cross-layer allocators on given scores
 
 
-class _Given:
+class _Given(Scorer):
     """A scorer returning scores stored in the view (tests drive allocators with chosen scores)."""
 
     window = 1
@@ -318,7 +318,7 @@ class _Given:
         return last_positions(view, self.protect)
 
 
-class _OrderedTopK:
+class _OrderedTopK(Selector):
     """Top-k with ties broken by position: the selection a bounded allocator reproduces exactly under ties."""
 
     def select(self, scores, budgets, protected, view):

@@ -39,10 +39,10 @@ from criticalkv.distributed import (
 from criticalkv.distributed.equivalence import compare, prompt, run_method
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
 from criticalkv.methods import build_method
-from criticalkv.models import presets
+from criticalkv.models import loading
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.session import full_cache
-from criticalkv.scorers import LayerView
+from criticalkv.scorers import LayerView, Scorer
 
 METHODS = ["critical-snapkv", "critical-adakv", "critical-headkv", "critical-tova", "layer-defensive", "defensive"]
 CAPPED = "critical-adakv:max_rank_imbalance=0"  # every rank holds the same share of each layer
@@ -362,7 +362,7 @@ def test_uneven_heads_refused_before_loading(tmp_path, monkeypatch):
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", never)
     expected = r"3 KV heads \(6 query heads\), which do not split evenly over 2 tensor-parallel ranks.*\[1, 3\]"
     with pytest.raises(UnevenHeadsError, match=expected):
-        presets.load_model(str(folder), distributed_config=DistributedConfig(tp_size=2))
+        loading.load_model(str(folder), distributed_config=DistributedConfig(tp_size=2))
     assert issubclass(UnevenHeadsError, UnsupportedModelError)
     check_even_heads(_config(96, heads=6, kv_heads=3), 3)  # 3 ranks: one KV head and two query heads each
 
@@ -379,7 +379,7 @@ def test_tensor_and_pipeline_parallelism_together_refused_before_loading(tmp_pat
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", never)
     both = DistributedConfig(tp_size=2, pp_size=2)
     with pytest.raises(UnsupportedModelError, match=r"2 tensor-parallel ranks x 2 pipeline stages.*--tp-size 4"):
-        presets.load_model(str(folder), distributed_config=both)
+        loading.load_model(str(folder), distributed_config=both)
     check_parallel_split(2, 1)  # one kind alone loads
     check_parallel_split(1, 2)
 
@@ -423,7 +423,7 @@ def test_one_process_sees_every_head():
     assert view.o_proj_weight is attention.o_proj.weight
 
 
-class _NegativeOnRankOne:
+class _NegativeOnRankOne(Scorer):
     """Scores below zero on the heads rank 1 holds, not declared non-negative."""
 
     def __init__(self, rank: int) -> None:
@@ -497,7 +497,7 @@ def test_the_torchrun_branch_of_load_model_passes_the_pre_load_hooks_on(monkeypa
     monkeypatch.setattr(launch, "parallel_sizes", lambda tp, pp: (2, 1))
     monkeypatch.setattr(launch, "init_process_group", lambda: None)
     monkeypatch.setattr(launch, "barrier", lambda: None)
-    monkeypatch.setattr(presets, "load_model", load)
+    monkeypatch.setattr(loading, "load_model", load)
     check, prepare = object(), object()
     assert launch.load_model("some/folder", check_config=check, with_tokenizer=prepare) == ("model", "tokenizer")
     assert seen["check_config"] is check and seen["with_tokenizer"] is prepare

@@ -74,9 +74,9 @@ from transformers import (
 
 from criticalkv.core import paths
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
-from criticalkv.models import families, presets
+from criticalkv.models import PRESETS, families, gguf, list_presets, load_model, loading, presets, resolve_model_folder
 from criticalkv.models.families import SUPPORTED_FAMILIES, check_supported, head_dim, text_config
-from criticalkv.models.presets import PRESETS, ModelAssetError, list_presets, load_model, resolve_model_folder
+from criticalkv.models.gguf import ModelAssetError
 
 TINY = {
     "hidden_size": 64,
@@ -167,7 +167,7 @@ def test_sha256_mismatch_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     def must_not_load(*args: object) -> None:
         raise AssertionError("loaded a file whose hash does not match")
 
-    monkeypatch.setattr(presets, "_load_gguf", must_not_load)
+    monkeypatch.setattr(gguf, "_load_gguf", must_not_load)
     with pytest.raises(ModelAssetError, match=f"Refusing to load.*expected {preset.sha256}"):
         resolve_model_folder("qwen2.5-0.5b")
     assert leftovers(cache) == []  # neither the joined file nor a half folder is left
@@ -203,7 +203,7 @@ def fake_preset(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_tokenizer)
         seen["content"] = (folder / file_name).read_bytes()
         return tiny_llama(), tiny_tokenizer
 
-    monkeypatch.setattr(presets, "_load_gguf", load)
+    monkeypatch.setattr(gguf, "_load_gguf", load)
     return seen
 
 
@@ -234,7 +234,7 @@ def test_interrupted_conversion_leaves_no_folder(
     def interrupted(*args: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(presets, "_load_gguf", interrupted)
+    monkeypatch.setattr(gguf, "_load_gguf", interrupted)
     with pytest.raises(KeyboardInterrupt):
         resolve_model_folder("fake")
     assert leftovers(cache) == []
@@ -318,9 +318,7 @@ def test_a_hub_id_that_cannot_be_fetched_is_one_clear_error(monkeypatch: pytest.
 
 def test_an_unreachable_hub_fails_at_once_from_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without HF_HUB_OFFLINE, an offline machine retried a hub id for about 30 s; now the cache is asked alone."""
-    import criticalkv.models.presets as presets
-
-    monkeypatch.setattr(presets, "hub_reachable", lambda: False)
+    monkeypatch.setattr(loading, "hub_reachable", lambda: False)
     start = time.monotonic()
     with pytest.raises(CriticalKVError, match=r"not in the local cache \(the model hub is unreachable\)"):
         load_model("some-org/not-a-model")

@@ -1480,7 +1480,7 @@ def test_prefill_facts_follow_the_mask_object_not_its_address():
     """Layers given the same mask share its facts; a mask freed since is another mask, even at the same address."""
     import gc
 
-    from criticalkv.runtime.compressor import PrefillFacts, prefill_view
+    from criticalkv.runtime.prefill_view import PrefillFacts, prefill_view
 
     module = torch.nn.Linear(1, 1)
     q = k = v = torch.zeros(2, 2, 6, 4)

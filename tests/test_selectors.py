@@ -20,6 +20,7 @@ from criticalkv.scorers import (
     KeyNormScorer,
     LayerView,
     ReconstructionScorer,
+    Scorer,
     SnapKVScorer,
     StreamingScorer,
     TOVAScorer,
@@ -295,7 +296,7 @@ def test_o_proj_bias_does_not_enter_the_norm():
 
 
 @dataclasses.dataclass
-class _GivenScores:
+class _GivenScores(Scorer):
     """A scorer handing out fixed scores and protected positions, not declared non-negative."""
 
     scores: torch.Tensor

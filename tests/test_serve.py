@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from criticalkv.budget import Budget
 from criticalkv.cli import app as cli_app
-from criticalkv.models.presets import load_model
+from criticalkv.models import load_model
 from criticalkv.runtime.session import ContextSession
 from criticalkv.serve.app import ServerSettings, create_app
 from criticalkv.serve.prompts import document_ids, question_ids

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from criticalkv.eval.needle import build_needle_sample
-from criticalkv.models.presets import PRESETS, load_model, resolve_model_folder
+from criticalkv.models import PRESETS, load_model, resolve_model_folder
 from criticalkv.prompts import encode_prompt
 from criticalkv.runtime.api import make_compressor
 

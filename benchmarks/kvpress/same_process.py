@@ -232,7 +232,7 @@ def main() -> None:
     import transformers
 
     import criticalkv
-    from criticalkv.models.presets import load_model
+    from criticalkv.models import load_model
 
     kvpress = import_kvpress(VENV)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device="cpu")

@@ -25,11 +25,13 @@ from criticalkv.eval.commands import ModeOption, at_least, parse_numbers, regime
 from criticalkv.eval.commands import app as eval_app
 from criticalkv.files import write_json
 from criticalkv.methods import PRESETS, build_method, parse_option_value
+from criticalkv.models.device_dtype import DEVICE_HELP, DTYPE_HELP
 from criticalkv.models.families import SUPPORTED_FAMILIES, check_length
-from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, list_presets, load_notes
+from criticalkv.models.loading import load_notes
+from criticalkv.models.presets import DEFAULT_PRESET, list_presets
 from criticalkv.progress import layer_progress, output_console, print_error
 from criticalkv.runtime.api import make_compressor
-from criticalkv.runtime.compressor import check_methods_config
+from criticalkv.runtime.checks import check_methods_config
 from criticalkv.runtime.session import ContextSession
 
 app = typer.Typer(help="KV-cache eviction for long-context inference: CriticalKV over SnapKV and friends.")

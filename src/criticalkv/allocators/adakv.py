@@ -8,12 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from criticalkv.allocators.balance import cap_rank_imbalance
+from criticalkv.allocators.base import Allocator
 from criticalkv.core.heads import every_head, head_shard
 from criticalkv.core.view import LayerView, padding_or_protected
 
 
 @dataclass
-class AdaKVAllocator:
+class AdaKVAllocator(Allocator):
     """Per row, the global top ``h_kv * B`` entries of the layer's pooled scores, after a per-head safeguard.
 
     For each row ``b`` with budget ``B`` (entries per head, protected ones included):

@@ -9,9 +9,11 @@ build on; ``cross_layer_bounded`` holds the form that compresses as it goes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from criticalkv.allocators.base import Allocator
 from criticalkv.core.heads import every_head, head_shard
 from criticalkv.core.stages import every_layer
 from criticalkv.core.view import LayerView
@@ -77,7 +79,7 @@ def contest_winners(values: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class CrossLayerAllocator:
+class CrossLayerAllocator(Allocator):
     """Layer-DefensiveKV's reference allocation: one contest over the entries of every layer and head.
 
     Per row, with ``L`` compressed layers of ``h`` KV heads and a budget of ``B`` entries per head, the model keeps
@@ -107,7 +109,7 @@ class CrossLayerAllocator:
     """
 
     safeguard: float = 0.0
-    cross_layer = True
+    cross_layer: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.safeguard <= 1.0:

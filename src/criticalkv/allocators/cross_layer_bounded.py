@@ -14,9 +14,11 @@ budget.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
+from criticalkv.allocators.base import Allocator
 from criticalkv.allocators.cross_layer import LayerShare, contest_winners
 from criticalkv.core.stages import refuse_split
 from criticalkv.core.view import LayerView
@@ -48,7 +50,7 @@ class _Held:
 
 
 @dataclass
-class BoundedCrossLayerAllocator:
+class BoundedCrossLayerAllocator(Allocator):
     """The reference cross-layer contest, computed layer by layer: no layer waits dense for the others.
 
     Each layer is compressed right after its prefill, like a per-layer method; the allocation is nevertheless the
@@ -75,7 +77,7 @@ class BoundedCrossLayerAllocator:
     """
 
     safeguard: float = 0.0
-    streaming = True
+    streaming: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.safeguard <= 1.0:

@@ -9,6 +9,7 @@ import torch
 from transformers import PretrainedConfig
 
 from criticalkv.allocators.balance import cap_rank_imbalance
+from criticalkv.allocators.base import Allocator
 from criticalkv.allocators.head_profile import HeadProfile, HeadProfileError, config_shape, load_profile
 from criticalkv.allocators.pyramid import largest_remainder
 from criticalkv.core.heads import every_head, head_shard
@@ -44,7 +45,7 @@ def head_shares(weights: torch.Tensor, extra: torch.Tensor, room: torch.Tensor, 
 
 
 @dataclass
-class HeadKVAllocator:
+class HeadKVAllocator(Allocator):
     """Per-head budgets from a head-importance profile (HeadKV), a base share split equally.
 
     For a row with budget ``B`` (protected entries included) and ``P`` protected entries, the entries beyond the

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from criticalkv.allocators.base import Allocator
 from criticalkv.core.view import LayerView
 from criticalkv.models.families import compressed_layer_position
 
@@ -55,7 +56,7 @@ def pyramid_budgets(
 
 
 @dataclass
-class PyramidAllocator:
+class PyramidAllocator(Allocator):
     """Layer budgets decreasing linearly with depth (PyramidKV); every head of a layer gets the layer's budget.
 
     For a row with budget ``B`` (protected entries included), ``P`` protected entries and ``L`` compressed

@@ -7,11 +7,12 @@ from typing import ClassVar
 
 import torch
 
+from criticalkv.allocators.base import Allocator
 from criticalkv.core.view import LayerView
 
 
 @dataclass
-class UniformAllocator:
+class UniformAllocator(Allocator):
     """Each head gets its row's budget (SnapKV, StreamingLLM, ... and the paper's CriticalKV-SnapKV)."""
 
     # Every head keeps its row's budget: when the rows' budgets are equal, the runtime knows each head's count

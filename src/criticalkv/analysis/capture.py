@@ -36,7 +36,7 @@ from criticalkv.core.view import LayerView
 from criticalkv.errors import CacheStateError, CriticalKVError, UnsupportedModelError
 from criticalkv.logits import logit_changes
 from criticalkv.models.families import attention_modules
-from criticalkv.runtime.compressor import prefill_view
+from criticalkv.runtime.prefill_view import prefill_view
 from criticalkv.selectors.value_norm import check_output_projections
 
 __all__ = ["Capture", "LayerCapture", "attention_modules", "capture"]

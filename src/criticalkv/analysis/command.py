@@ -40,8 +40,8 @@ from criticalkv.eval.commands import split_items
 from criticalkv.eval.report import file_stem
 from criticalkv.files import write_json
 from criticalkv.methods import build_method
+from criticalkv.models.device_dtype import DEVICE_HELP, DTYPE_HELP
 from criticalkv.models.families import check_length
-from criticalkv.models.presets import DEVICE_HELP, DTYPE_HELP
 from criticalkv.progress import output_console, print_error, step_progress
 
 __all__ = [
@@ -409,8 +409,8 @@ def run_analysis(
         "log_base": 10,
     }
     if n > 0:  # before the exhaustive check: a model refused costs nothing of it, a family refused no load
+        from criticalkv.models.loading import load_model, load_notes
         from criticalkv.models.presets import PRESETS as MODEL_PRESETS
-        from criticalkv.models.presets import load_model, load_notes
 
         def check_config(config: PretrainedConfig) -> None:
             check_capturable(config)

@@ -39,7 +39,7 @@ class LayerView:
     scaling: float  # softmax scale the layer uses (1/sqrt(d) for most models)
     memo: dict = field(default_factory=dict, repr=False)  # derived tensors shared by methods deciding on this view
     # Facts of the padding mask shared by every layer of one forward (lengths, a method's plan): the runtime hands
-    # the views of one forward the same dict when their masks are the same (``runtime.compressor.prefill_view``).
+    # the views of one forward the same dict when their masks are the same (``runtime.prefill_view.prefill_view``).
     prefill: dict = field(default_factory=dict, repr=False)
 
     def remember(self, key: object, compute: Callable[[], T]) -> T:

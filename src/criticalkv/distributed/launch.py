@@ -120,11 +120,12 @@ def load_model(
     """
     from transformers.distributed import DistributedConfig
 
-    from criticalkv.models import presets
+    from criticalkv.models import gguf, loading
+    from criticalkv.models.presets import PRESETS
 
     tp, pp = parallel_sizes(tp_size, pp_size)
     if tp * pp == 1:
-        return presets.load_model(
+        return loading.load_model(
             name_or_path,
             dtype=dtype,
             device=device,
@@ -135,11 +136,11 @@ def load_model(
     if device != "auto":
         raise CriticalKVError(f"--device {device}: under torchrun each rank runs on its own device; leave it 'auto'")
     init_process_group()
-    if name_or_path in presets.PRESETS and is_main_process():
-        presets.resolve_model_folder(name_or_path)  # converts on first use; the other ranks wait below
+    if name_or_path in PRESETS and is_main_process():
+        gguf.resolve_model_folder(name_or_path)  # converts on first use; the other ranks wait below
     barrier()
     config = DistributedConfig(tp_size=tp, pp_size=pp)
-    return presets.load_model(
+    return loading.load_model(
         name_or_path,
         dtype=dtype,
         attn_implementation=attn_implementation,

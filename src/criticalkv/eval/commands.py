@@ -19,11 +19,13 @@ from criticalkv.eval.report import HEATMAP_PREFIX, file_stem, write_report
 from criticalkv.eval.sweep import REGIMES, check_out_folder, load_rows, pair_label, run_sweep, stored_settings
 from criticalkv.files import write_json
 from criticalkv.methods import build_method
+from criticalkv.models.device_dtype import DEVICE_HELP, DTYPE_HELP, as_dtype
 from criticalkv.models.families import check_length
-from criticalkv.models.presets import DEFAULT_PRESET, DEVICE_HELP, DTYPE_HELP, as_dtype, load_notes
+from criticalkv.models.loading import load_notes
+from criticalkv.models.presets import DEFAULT_PRESET
 from criticalkv.progress import output_console, print_error
 from criticalkv.prompts import encode_prompt
-from criticalkv.runtime.compressor import check_methods_config
+from criticalkv.runtime.checks import check_methods_config
 
 if TYPE_CHECKING:  # needle_grid pulls matplotlib: imported by the command only
     from transformers import PretrainedConfig, PreTrainedTokenizerBase

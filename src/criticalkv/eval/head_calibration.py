@@ -29,7 +29,7 @@ from criticalkv.allocators.head_profile import (
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.needle import build_needle_sample
 from criticalkv.models.families import check_length
-from criticalkv.models.presets import load_model
+from criticalkv.models.loading import load_model
 from criticalkv.progress import step_progress
 from criticalkv.prompts import chat_prompt_parts, encode_prompt_parts, text_token_span
 

@@ -10,7 +10,8 @@ from transformers import PreTrainedModel
 from criticalkv.budget import Budget
 from criticalkv.errors import MethodOptionError
 from criticalkv.methods import build_method
-from criticalkv.runtime.compressor import Compressor, check_compressible, refuse_nesting
+from criticalkv.runtime.checks import check_compressible, refuse_nesting
+from criticalkv.runtime.compressor import Compressor
 from criticalkv.runtime.method import Method
 
 

@@ -17,155 +17,26 @@ import dataclasses
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer, attention
 from criticalkv.cache.compressed_cache import release_views
-from criticalkv.cache.fused_attention import ATTENTION_ENV_VAR, flash_setup_reasons, requested_path
 from criticalkv.core.layout import check_model
 from criticalkv.core.view import LayerView
-from criticalkv.errors import CacheStateError, PaddingError, UnsupportedModelError
-from criticalkv.logits import logit_changes
-from criticalkv.models.families import attention_modules, check_supported, head_dim, layer_types, text_config
+from criticalkv.errors import CacheStateError, UnsupportedModelError
+from criticalkv.models.families import attention_modules
+from criticalkv.runtime.checks import check_compressible, refuse_nesting
 from criticalkv.runtime.method import Method
+from criticalkv.runtime.prefill_view import PrefillFacts, prefill_view
 from criticalkv.scorers.base import PendingLayer, PrefillContext
 from criticalkv.scorers.reconstruct import MaxAttentionProbe
-
-
-@dataclass
-class PrefillFacts:
-    """The padding mask of one forward's layers and what is derived from it, shared by the layers that see the same
-    mask. The runtime starts a new one with every forward. The mask is held by a weak reference (held, an 8k-token
-    mask would outlive its forward): a mask freed since, whatever tensor now has its address, is another mask."""
-
-    mask: weakref.ref | None = None  # None: no mask (every position valid)
-    valid: torch.Tensor | None = None  # (b, t) bool
-    shared: dict = field(default_factory=dict)  # LayerView.prefill
-
-    def serve(self, attention_mask: torch.Tensor | None, keys: torch.Tensor) -> bool:
-        """Whether these facts hold for a layer given ``attention_mask`` and keys (b, h_kv, t, d): the same mask,
-        and valid positions of the keys' batch, length and device."""
-        if self.valid is None or self.valid.shape != (keys.shape[0], keys.shape[2]) or self.valid.device != keys.device:
-            return False
-        if attention_mask is None or self.mask is None:
-            return attention_mask is None and self.mask is None
-        return self.mask() is attention_mask
-
-
-def refuse_nesting(model: PreTrainedModel) -> None:
-    """Refuse a model already inside ``criticalkv.compress(...)``: its hooks would compress whatever runs next, also
-    a run meant to keep the full cache."""
-    if model.config._attn_implementation.startswith("criticalkv_"):
-        raise CacheStateError("this model is already inside criticalkv.compress(...); blocks do not nest")
-
-
-def check_methods_config(config: PretrainedConfig, methods: Sequence[Method | None]) -> None:
-    """Refuse, from the checkpoint's config alone (the commands check it before loading weights), a model one of
-    ``methods`` cannot compress: an unsupported family, a model whose every attention layer is a sliding-window one
-    (nothing to compress), sliding-window layers with a scorer that cannot run beside them
-    (``supports_sliding_windows = False``: reconstruction), or what the optional ``check_config(config)`` of a
-    scorer, allocator or selector refuses (reconstruction: soft-capped logits and sinks; measured selectors:
-    sinks), and a forced flash-attn path (``$CRITICALKV_ATTENTION=flash``) on soft-capped or sink attention. None
-    (the full cache, in a ``SharedPrefill``) needs the family alone."""
-    check_supported(config)
-    compressing = [method for method in methods if method is not None]
-    if not compressing:
-        return
-    kinds, kwargs = layer_types(config)
-    if "full_attention" not in kinds:
-        windows = sorted({k["sliding_window"] for k in kwargs if k.get("sliding_window") is not None}) or ["?"]
-        positions = getattr(text_config(config), "max_position_embeddings", None)
-        raise UnsupportedModelError(
-            f"every attention layer of this model is a sliding-window layer (a window of {windows[0]} tokens over "
-            f"{positions} positions, as in Phi-3-mini-4k or Mistral-7B-v0.1): criticalkv compresses full-attention "
-            "layers only, so there is nothing to compress"
-        )
-    sliding = sum(kind != "full_attention" for kind in kinds)
-    for method in compressing:
-        scorer = method.scorer
-        if sliding and not getattr(scorer, "supports_sliding_windows", True):
-            raise UnsupportedModelError(
-                f"{type(scorer).__name__} does not support models with sliding-window layers yet ({sliding} of this "
-                f"model's {len(kinds)} layers): their caches cannot be rewound after its passes; use a scorer that "
-                "reads the prefill alone (snapkv, tova, knorm, ...)"
-            )
-        for piece in (scorer, method.allocator, method.selector):
-            check_config = getattr(piece, "check_config", None)
-            if check_config is not None:
-                check_config(config)
-    if requested_path() == "flash" and logit_changes(config):
-        raise UnsupportedModelError(
-            f"{ATTENTION_ENV_VAR}=flash: this model soft-caps its attention logits or adds attention sinks, which "
-            "criticalkv's flash-attn call does not pass on; leave the path to criticalkv"
-        )
-
-
-def check_compressible(model: PreTrainedModel, method: Method | None) -> None:
-    """Refuse, before any forward, a model ``method`` cannot compress: what ``check_methods_config`` refuses of its
-    config, a forced flash-attn path (``$CRITICALKV_ATTENTION=flash``) the model's device, dtype or heads cannot
-    take, and what the optional ``check_model(model)`` of the scorer, allocator or selector refuses
-    (reconstruction: its tokenizer)."""
-    check_methods_config(model.config, [method])
-    if method is None:
-        return
-    if requested_path() == "flash":
-        weight = next(model.parameters())
-        reasons = flash_setup_reasons(weight.device, weight.dtype, head_dim(model.config))
-        if reasons:
-            raise UnsupportedModelError(f"{ATTENTION_ENV_VAR}=flash cannot run on this model: {'; '.join(reasons)}")
-    for piece in (method.scorer, method.allocator, method.selector):
-        check_model = getattr(piece, "check_model", None)
-        if check_model is not None:
-            check_model(model)
-
-
-def require_left_padding(valid: torch.Tensor) -> None:
-    """Refuse a row with padding after a real token, valid (b, t) bool: scorers read a row's observation window
-    (its last tokens) at the end of the tensor, and the last query's mask row is what tells the real keys."""
-    late = valid[:, :-1] & ~valid[:, 1:]  # (b, t-1): a real position followed by padding
-    if bool(late.any()):
-        row = int(late.any(dim=-1).nonzero()[0])
-        raise PaddingError(
-            f"row {row} of the batch has padding after a real token; criticalkv needs left padding "
-            "(tokenizer.padding_side = 'left')"
-        )
-
-
-def prefill_view(
-    module: nn.Module,
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    facts: PrefillFacts | None = None,
-) -> LayerView:
-    """The LayerView of a layer's prefill, as its attention function receives it.
-
-    With ``facts`` (one per forward), layers that see the same mask share its valid positions and the facts
-    derived from them (``LayerView.prefill``); a layer with another mask, length or device replaces them.
-    """
-    b, _, t, _ = keys.shape
-    if facts is not None and facts.serve(attention_mask, keys):
-        return LayerView(module, query, keys, values, facts.valid, scaling, prefill=facts.shared)
-    if attention_mask is None:
-        valid = torch.ones(b, t, dtype=torch.bool, device=keys.device)
-    else:  # the last query sees every real key; padding columns are masked in its row; a copy, not a view, which
-        # would keep the whole (b, 1, t, t) mask alive with the facts after the forward (b t^2 bytes: 32 MiB at 4k)
-        valid = attention.as_bool_mask(attention_mask)[:, 0, -1, :t].clone()
-        require_left_padding(valid)
-    if facts is None:
-        return LayerView(module, query, keys, values, valid, scaling)
-    facts.mask = None if attention_mask is None else weakref.ref(attention_mask)
-    facts.valid, facts.shared = valid, {}
-    return LayerView(module, query, keys, values, valid, scaling, prefill=facts.shared)
 
 
 @dataclass
@@ -408,7 +279,7 @@ class Compressor:
         """Decide and compress the pending layers of a deferred method, all together."""
         start = time.process_time()
         scores = None
-        if getattr(method.scorer, "after_prefill", False):
+        if method.scorer.after_prefill:
             ids, mask = self._inputs
             finishing, self._finishing = self._finishing, True  # the scorer's own forwards are not prefills
             try:
@@ -434,7 +305,7 @@ class Compressor:
 
     def defer_layer(self, view: LayerView, layer: CompressedLayer, method: Method) -> PendingLayer:
         """Keep a layer dense until the end of the prefill; score it now unless its scorer waits for the end."""
-        if not getattr(method.scorer, "after_prefill", False):
+        if not method.scorer.after_prefill:
             method.scores_of(view)  # computed while the full query is at hand, kept in the view's memo
         rows = min(method.query_rows, view.query.shape[2])
         b, h_kv, _, d = view.keys.shape
@@ -464,15 +335,42 @@ class Compressor:
         scaling: float,
         layer: CompressedLayer,
     ) -> None:
+        """Compress a layer right after its prefill attention (the attention function calls it): query
+        (b, h_q, t, d), keys and values (b, h_kv, t, d) as the layer computed them, ``layer`` the cache's storage."""
         start = time.process_time()
-        view = prefill_view(module, query, keys, values, attention_mask, scaling, self.facts)
-        if self.method.deferred:
-            self.pending.append(self.defer_layer(view, layer, self.method))
-        else:
-            decision = self.method.decide(view, self.budget, self.prefill_state(self.active_cache))
-            apply_shrink(self.active_cache, decision.shrink, self.records)  # before this layer grows: a lower peak
-            self._apply(layer, view, decision, self.records)
+        self.compress_view(prefill_view(module, query, keys, values, attention_mask, scaling, self.facts), layer)
         self.compress_cpu_seconds += time.process_time() - start
+
+    def compress_view(self, view: LayerView, layer: CompressedLayer) -> None:
+        """Compress a layer's prefill ``view`` into ``layer`` of the active cache under this compressor's method and
+        budget (a ``SharedPrefill`` compresses it into one cache per target)."""
+        cache = self.active_cache
+        pending = self.compress_into(
+            view, layer, self.method, self.budget, cache, self.records, self.prefill_state(cache)
+        )
+        if pending is not None:
+            self.pending.append(pending)
+
+    def compress_into(
+        self,
+        view: LayerView,
+        layer: CompressedLayer,
+        method: Method,
+        budget: Budget,
+        cache: CompressedCache,
+        records: list[LayerRecord],
+        state: dict,
+    ) -> PendingLayer | None:
+        """Compress one layer's prefill ``view`` into ``layer`` (its storage in ``cache``) under ``method`` and
+        ``budget``: decide it now, shrink the earlier layers of ``cache`` as a streaming allocator orders (``state``:
+        its scratch dict for this prefill) and add what was kept to ``records``. A deferred method's layer stays
+        dense: it is returned pending, for ``finish_deferred`` at the end of the prefill."""
+        if method.deferred:
+            return self.defer_layer(view, layer, method)
+        decision = method.decide(view, budget, state)
+        apply_shrink(cache, decision.shrink, records)  # before this layer grows: a lower peak
+        self._apply(layer, view, decision, records)
+        return None
 
     def prefill_state(self, cache: CompressedCache) -> dict:
         """The method's scratch dict for the prefill of ``cache`` (streaming allocators); fresh for a new cache."""

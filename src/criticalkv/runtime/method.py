@@ -16,6 +16,8 @@ from criticalkv.scorers import Scorer
 from criticalkv.scorers.base import declares_non_negative
 from criticalkv.selectors import Selector, TopKSelector
 
+_ROLES = ("scorer", "allocator", "selector")
+
 
 @dataclass
 class Decision:
@@ -77,20 +79,27 @@ class Method:
     @property
     def deferred(self) -> bool:
         """True when decisions wait for the end of the prefill (see the class notes)."""
-        cross_layer = bool(getattr(self.allocator, "cross_layer", False))
-        return self.defer or cross_layer or bool(getattr(self.scorer, "after_prefill", False))
+        return self.defer or self.allocator.cross_layer or self.scorer.after_prefill
 
     @property
     def per_layer(self) -> bool:
         """True when ``decide`` takes one layer's view alone: not deferred, no state carried from layer to layer."""
-        return not (self.deferred or getattr(self.allocator, "streaming", False))
+        return not (self.deferred or self.allocator.streaming)
+
+    @property
+    def pieces(self) -> tuple[Scorer, Allocator, Selector]:
+        """The scorer, the allocator and the selector."""
+        return self.scorer, self.allocator, self.selector
 
     def __post_init__(self) -> None:
-        windows = {
-            role: int(piece.window)
-            for role, piece in (("scorer", self.scorer), ("allocator", self.allocator), ("selector", self.selector))
-            if hasattr(piece, "window")
-        }
+        for role, piece, contract in zip(_ROLES, self.pieces, (Scorer, Allocator, Selector), strict=True):
+            if not isinstance(piece, contract):  # a class of the user's own that does not derive from the contract
+                raise MethodOptionError(
+                    f"{type(piece).__name__} is given as the {role} but lacks members of criticalkv's "
+                    f"{contract.__name__}: derive it from {contract.__module__.rsplit('.', 1)[0]}.{contract.__name__}, "
+                    "which gives every optional member its default (docs/extending.md)"
+                )
+        windows = {role: int(piece.window) for role, piece in zip(_ROLES, self.pieces) if piece.window is not None}
         if len(set(windows.values())) > 1:
             stated = ", ".join(f"the {role}'s {w}" for role, w in windows.items())
             raise MethodOptionError(
@@ -103,7 +112,7 @@ class Method:
         """The observation window: the last queries of a prefill that the scorer and selector read, one number
         for the method (its pieces that read a window must state the same, see ``__post_init__``); None when no
         piece reads one."""
-        return next((int(p.window) for p in (self.scorer, self.allocator, self.selector) if hasattr(p, "window")), None)
+        return next((int(p.window) for p in self.pieces if p.window is not None), None)
 
     @property
     def query_rows(self) -> int:
@@ -136,11 +145,11 @@ class Method:
         passes after the prefill (their sign is then checked where the selector needs it, whatever the scorer
         declares: one host read for the layers given). A cross-layer allocator splits the budget over every layer
         given; other allocators split each layer's budget over its heads, exactly as ``decide`` does layer by
-        layer. A selector with a ``rank`` method re-scores each layer first (DefensiveKV): allocation and selection
-        follow its ranking. A streaming allocator given every layer of a prefill (a deferred method) decides them
-        in order, its shrink orders applied to the earlier layers' decisions.
+        layer. The selector's ``rank`` re-scores each layer first (DefensiveKV; the default keeps the scores):
+        allocation and selection follow its ranking. A streaming allocator given every layer of a prefill (a deferred
+        method) decides them in order, its shrink orders applied to the earlier layers' decisions.
         """
-        streaming = bool(getattr(self.allocator, "streaming", False))
+        streaming = self.allocator.streaming
         if streaming and state is None and len(views) == compressed_layer_position(views[0].module)[1]:
             return self._stream(views, budget, scores)  # every layer of a prefill at once: a deferred method
         if streaming and (state is None or len(views) != 1):
@@ -167,16 +176,16 @@ class Method:
                     f"{type(self.scorer).__name__} gave {s.dtype} scores; scores must be floating point (.float())"
                 )
         self._check_values(scores, plans, views, given)
-        rank = getattr(self.selector, "rank", None)
-        if rank is not None:
-            scores = [rank(s, p.row_budgets, p.protected, v) for s, p, v in zip(scores, plans, views, strict=True)]
+        scores = [
+            self.selector.rank(s, p.row_budgets, p.protected, v) for s, p, v in zip(scores, plans, views, strict=True)
+        ]
         if streaming:
             plan, view, layer_scores = plans[0], views[0], scores[0]
             budgets = self.allocator.allocate(layer_scores, plan.row_budgets, view, plan.protected, state)
             decision = self._select(view, plan, layer_scores, budgets)
             decision.shrink = self.allocator.settle(layer_scores, decision.keep, view, plan.protected, state)
             return [decision]
-        if getattr(self.allocator, "cross_layer", False):
+        if self.allocator.cross_layer:
             budgets = self.allocator.allocate_layers(
                 scores, [p.row_budgets for p in plans], views, [p.protected for p in plans]
             )
@@ -199,8 +208,7 @@ class Method:
           NaN above every number and -inf below, so either decided silently.
 
         criticalkv's own scorers, declared non-negative, spare every layer the read."""
-        signs = getattr(self.selector, "needs_non_negative_scores", False)
-        signs = signs and (given or not declares_non_negative(self.scorer))
+        signs = self.selector.needs_non_negative_scores and (given or not declares_non_negative(self.scorer))
         finite = not _own_method(self.scorer, "score")
         if not (signs or finite):
             return
@@ -276,10 +284,10 @@ class Method:
         if plan.any_whole:  # torch.where, not keep[whole] = ...: indexing by a mask is a host read (a GPU sync)
             keep = torch.where(whole[:, None, None], view.valid[:, None, :].expand(-1, h_kv, -1), keep)
             budgets = torch.where(whole[:, None], view.lengths[:, None], budgets)  # (b, h_kv)
-        width = plan.width if getattr(self.allocator, "row_budget_per_head", False) else None
+        width = plan.width if self.allocator.row_budget_per_head else None
         return Decision(keep, budgets, whole, width=width)
 
 
 def _own_method(obj: object, name: str) -> bool:
     """Whether ``obj``'s method ``name`` is criticalkv's own (not a subclass's override from elsewhere)."""
-    return getattr(getattr(type(obj), name, None), "__module__", "").startswith("criticalkv.")
+    return getattr(type(obj), name).__module__.startswith("criticalkv.")

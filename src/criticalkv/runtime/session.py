@@ -22,8 +22,10 @@ from criticalkv.core.layout import StageLength, on_this_stage, stage_layers
 from criticalkv.core.positions import forward_on_cache
 from criticalkv.errors import CacheStateError, CriticalKVError, PaddingError
 from criticalkv.runtime.api import make_compressor
-from criticalkv.runtime.compressor import Compressor, refuse_nesting, require_left_padding
+from criticalkv.runtime.checks import refuse_nesting
+from criticalkv.runtime.compressor import Compressor
 from criticalkv.runtime.method import Method
+from criticalkv.runtime.prefill_view import require_left_padding
 
 #: ``rewind`` copies a transformers layer cropped back to the context only when the storage it keeps holds more
 #: than this fraction on top of the context: the copy then frees more than an eighth of the bytes it copies.

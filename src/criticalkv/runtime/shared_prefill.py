@@ -12,21 +12,16 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer
 from criticalkv.core.positions import forward_on_cache
+from criticalkv.core.view import LayerView
 from criticalkv.errors import CriticalKVError, MethodOptionError
 from criticalkv.methods import build_method
-from criticalkv.runtime.compressor import (
-    Compressor,
-    LayerRecord,
-    apply_shrink,
-    check_compressible,
-    prefill_view,
-)
+from criticalkv.runtime.checks import check_compressible
+from criticalkv.runtime.compressor import Compressor, LayerRecord
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.session import ContextSession, token_digest, warn_unmasked_padding
 from criticalkv.scorers.base import PendingLayer
@@ -44,10 +39,6 @@ class Target:
     pending: list[PendingLayer] = field(default_factory=list)  # a deferred method's dense layers
     state: dict = field(default_factory=dict)  # the method's scratch dict for this prefill (streaming allocators)
     compress_cpu_seconds: float = 0.0  # CPU time deciding and compressing this target's cache in the prefill
-
-    @property
-    def deferred(self) -> bool:
-        return self.method is not None and not self.budget.keeps_everything and self.method.deferred
 
 
 class SharedPrefill(Compressor):
@@ -129,35 +120,21 @@ class SharedPrefill(Compressor):
             target.cache = None
         return sessions
 
-    def compress_layer(
-        self,
-        module: nn.Module,
-        query: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        scaling: float,
-        layer: CompressedLayer,
-    ) -> None:
-        view = prefill_view(module, query, keys, values, attention_mask, scaling, self.facts)
+    def compress_view(self, view: LayerView, layer: CompressedLayer) -> None:
+        """Compress a layer's prefill ``view`` into one cache per target, then release the shared full prefill."""
         for target in self.targets:
             start = time.process_time()
             own = CompressedLayer()
-            own.update(keys, values)  # shares the prompt's tensors until compress() gathers what it keeps
-            target.cache.layers[module.layer_idx] = own
-            if target.deferred:
-                target.pending.append(self.defer_layer(view, own, target.method))
-                target.compress_cpu_seconds += time.process_time() - start
-                continue
-            if target.method is not None and not target.budget.keeps_everything:
-                decision = target.method.decide(view, target.budget, target.state)
-                apply_shrink(target.cache, decision.shrink, target.records)
-                if decision.keep is not None:
-                    own.compress(decision.keep, decision.width)
-                target.records.append(
-                    LayerRecord(module.layer_idx, view.lengths, decision.budgets, decision.kept_whole)
+            own.update(view.keys, view.values)  # shares the prompt's tensors until compress() gathers what it keeps
+            target.cache.layers[view.module.layer_idx] = own
+            if target.method is None or target.budget.keeps_everything:
+                own.fresh = False  # the full cache
+            else:
+                pending = self.compress_into(
+                    view, own, target.method, target.budget, target.cache, target.records, target.state
                 )
-            own.fresh = False
+                if pending is not None:
+                    target.pending.append(pending)
             target.compress_cpu_seconds += time.process_time() - start
         layer.reset()  # the shared full prefill is released; each target now holds its own
 

@@ -1,27 +1,46 @@
-"""What a scorer sees of one layer right after its prefill attention, and the scorer contract."""
+"""The scorer contract, and what a scorer sees of one layer right after its prefill attention."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from criticalkv.cache import CompressedCache, CompressedLayer
+from criticalkv.core.piece import Piece
 from criticalkv.core.view import LayerView
 from criticalkv.logits import attention_sinks, logit_softcap, soft_cap_, softmax_with_sinks_
 
 
-class Scorer(Protocol):
+@runtime_checkable
+class Scorer(Piece, Protocol):
     """Scores every cached entry of a layer; higher means more worth keeping.
 
-    A scorer whose scores are >= 0 by construction (attention probabilities, recency) says so with a class
-    attribute ``non_negative = True``: a selector that multiplies scores by value norms (CriticalKV, DefensiveKV)
-    then trusts it, where otherwise a ``Method`` checks the sign of every layer's scores (a host read per layer,
-    on a GPU a wait for the device). A subclass that computes the scores anew must say so again
-    (``declares_non_negative``).
+    ``score`` and ``protected`` are the contract; the other members are optional capabilities with defaults, which a
+    scorer inherits by deriving from ``Scorer`` (``class MyScorer(Scorer)``) and overrides where it differs (with
+    ``window``, ``check_config`` and ``check_model`` of ``Piece``).
+
+    Attributes
+    ----------
+    non_negative
+        True when the scores are >= 0 by construction (attention probabilities, recency): a selector that multiplies
+        scores by value norms (CriticalKV, DefensiveKV) then trusts them, where otherwise a ``Method`` checks the sign
+        of every layer's scores (a host read per layer, on a GPU a wait for the device). Read from the class that
+        says it (``declares_non_negative``): a subclass that computes the scores anew must say so again. Default
+        False.
+    supports_sliding_windows
+        False refuses models with sliding-window layers (reconstruction: their caches cannot be rewound after its
+        passes). Default True.
+    after_prefill
+        True when the scores come from passes over the finished prefill (``score_after_prefill``): the method is
+        then deferred, its layers dense until the prefill ends. Default False.
     """
+
+    non_negative: ClassVar[bool] = False
+    supports_sliding_windows: ClassVar[bool] = True
+    after_prefill: ClassVar[bool] = False
 
     def score(self, view: LayerView) -> torch.Tensor:
         """Scores (b, h_kv, t), float32. Values at padding positions are ignored."""
@@ -30,6 +49,11 @@ class Scorer(Protocol):
     def protected(self, view: LayerView) -> torch.Tensor:
         """Positions always kept and counted inside the budget: (b, t) bool."""
         ...
+
+    def score_after_prefill(self, context: PrefillContext) -> list[torch.Tensor]:
+        """Scores (b, h_kv, t) float32 per pending layer, in layer order, from passes over the finished prefill;
+        called instead of ``score`` when ``after_prefill`` is True (the default scorer has none)."""
+        raise NotImplementedError(f"{type(self).__name__} scores each layer in its prefill (after_prefill is False)")
 
 
 class ProbeSlot(Protocol):
@@ -72,7 +96,7 @@ def declares_non_negative(scorer: object) -> bool:
         return False
     for name in _SCORING_METHODS:
         source = next((cls for cls in mro if name in vars(cls)), None)
-        if source is not None and not issubclass(owner, source):
+        if source is not None and source not in owner.__mro__:  # owner below the class that computes them
             return False
     return True
 

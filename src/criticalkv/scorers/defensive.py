@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from criticalkv.core.view import LayerView
-from criticalkv.scorers.base import last_positions, window_attention
+from criticalkv.scorers.base import Scorer, last_positions, window_attention
 
 #: Where the "window mass" subtracted from stage 1's target is measured (docs/method.md, DefensiveKV).
 MASS_SLICES = ("intended", "reference")
@@ -68,7 +68,7 @@ def window_statistics(view: LayerView, window: int) -> WindowStatistics:
 
 
 @dataclass
-class DefensiveScorer:
+class DefensiveScorer(Scorer):
     """Observation-window attention, pooled without losing mass, then the maximum over the window and the GQA
     group, floored at the head's mean.
 

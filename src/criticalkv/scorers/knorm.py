@@ -7,10 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from criticalkv.core.view import LayerView
+from criticalkv.scorers.base import Scorer
 
 
 @dataclass
-class KeyNormScorer:
+class KeyNormScorer(Scorer):
     """Score = -||k||_2 (kvpress's sign). The scores are negative: the CriticalKV selector refuses them."""
 
     def score(self, view: LayerView) -> torch.Tensor:

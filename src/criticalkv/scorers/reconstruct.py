@@ -30,7 +30,7 @@ from criticalkv.core.view import LayerView
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
 from criticalkv.logits import logit_changes
 from criticalkv.models.hub import hub_reachable
-from criticalkv.scorers.base import PrefillContext
+from criticalkv.scorers.base import PrefillContext, Scorer
 
 FIRST_REQUEST = "\n\nRepeat the previous context exactly."  # KVzip's prompt before the first chunk
 NEXT_REQUEST = "\n\nRepeat the part of the previous context exactly, starting with"  # before each later chunk
@@ -262,7 +262,7 @@ def _tokenizer_at(source: str) -> PreTrainedTokenizerBase:
 
 
 @dataclass(repr=False)
-class ReconstructionScorer:
+class ReconstructionScorer(Scorer):
     """Question-agnostic scores from context reconstruction (KVzip).
 
     After the prefill, each chunk of ``chunk_size`` context tokens is fed back as the answer to "Repeat the

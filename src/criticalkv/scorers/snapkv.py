@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from criticalkv.core.view import LayerView
-from criticalkv.scorers.base import last_positions, window_attention
+from criticalkv.scorers.base import Scorer, last_positions, window_attention
 
 AGGREGATES = ("mean", "max")
 
@@ -46,7 +46,7 @@ def window_head_scores(view: LayerView, window: int, kernel: int, aggregate: str
 
 
 @dataclass
-class SnapKVScorer:
+class SnapKVScorer(Scorer):
     """Observation-window attention, averaged over the window and the GQA group, smoothed along the keys.
 
     Parameters

@@ -8,10 +8,11 @@ from typing import ClassVar
 import torch
 
 from criticalkv.core.view import LayerView
+from criticalkv.scorers.base import Scorer
 
 
 @dataclass
-class StreamingScorer:
+class StreamingScorer(Scorer):
     """Scores by recency; the first ``sinks`` real tokens of each row are always kept.
 
     Parameters

@@ -28,6 +28,7 @@ from criticalkv.core.view import LayerView
 from criticalkv.errors import CriticalKVError
 from criticalkv.models.families import attention_modules
 from criticalkv.models.fingerprint import model_fingerprint
+from criticalkv.scorers.base import Scorer
 
 FEATURES = "rope-pair-magnitudes+keys+values/v1"  # the feature layout the weights are fitted on
 TRAIN_COMMAND = "criticalkv train-scorer --model <preset or folder> --out <file>.safetensors"
@@ -170,7 +171,7 @@ def shipped_for(model: nn.Module, fingerprint: str | None = None) -> SurrogateWe
 
 
 @dataclass(repr=False)
-class SurrogateScorer:
+class SurrogateScorer(Scorer):
     """Question-agnostic scores predicted from each entry's key and value by a per-layer, per-head linear map fitted
     to the reconstruction scorer's log-scores (``SurrogateWeights``); no pass beyond the prefill.
 

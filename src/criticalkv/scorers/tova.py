@@ -9,11 +9,11 @@ import torch
 
 from criticalkv.core.heads import head_shard
 from criticalkv.core.view import LayerView
-from criticalkv.scorers.base import last_positions, window_attention
+from criticalkv.scorers.base import Scorer, last_positions, window_attention
 
 
 @dataclass
-class TOVAScorer:
+class TOVAScorer(Scorer):
     """Attention of the last prompt token, mean over all query heads of the layer (one score per position,
     shared by every KV head, as in kvpress). The last token itself is always kept."""
 

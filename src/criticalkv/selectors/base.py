@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from criticalkv.core.piece import Piece
 from criticalkv.core.view import LayerView
 
 
-class Selector(Protocol):
+@runtime_checkable
+class Selector(Piece, Protocol):
     """Chooses which entries fill each head's budget.
 
-    A selector that multiplies scores by value norms says so with ``needs_non_negative_scores = True``: a ``Method``
-    then refuses negative scores (``NegativeScoreError``) unless its scorer is non-negative by construction.
+    ``select`` is the contract; the other members are optional capabilities with defaults, which a selector inherits
+    by deriving from ``Selector`` and overrides where it differs (with ``window``, ``check_config`` and
+    ``check_model`` of ``Piece``).
+
+    Attributes
+    ----------
+    needs_non_negative_scores
+        True for a selector that multiplies scores by value norms: a ``Method`` then refuses negative scores
+        (``NegativeScoreError``) unless its scorer is non-negative by construction. A class attribute or a property.
+        Default False.
     """
+
+    needs_non_negative_scores: ClassVar[bool] = False
 
     def select(
         self, scores: torch.Tensor, budgets: torch.Tensor, protected: torch.Tensor, view: LayerView
@@ -25,6 +37,14 @@ class Selector(Protocol):
         ``protected`` (b, t) bool, positions kept first.
         """
         ...
+
+    def rank(
+        self, scores: torch.Tensor, row_budgets: torch.Tensor, protected: torch.Tensor, view: LayerView
+    ) -> torch.Tensor:
+        """The scores (b, h_kv, t) float32 that allocation and selection follow, from the scorer's (b, h_kv, t),
+        the rows' budgets (b,) long and the protected positions (b, t) bool: DefensiveKV re-scores here. The default
+        returns the scorer's scores as they are."""
+        return scores
 
 
 def keep_protected(protected: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:

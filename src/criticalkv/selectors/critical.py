@@ -11,7 +11,7 @@ from torch import nn
 
 from criticalkv.core.view import LayerView
 from criticalkv.scorers.snapkv import AGGREGATES, window_head_scores
-from criticalkv.selectors.base import add_top, keep_protected, largest, open_places, take_top
+from criticalkv.selectors.base import Selector, add_top, keep_protected, largest, open_places, take_top
 from criticalkv.selectors.norm_screen import BRACKETS, first_round, screen_kind, take_top_by_value_norm
 from criticalkv.selectors.value_norm import check_output_projections, projected_value_norm
 
@@ -20,7 +20,7 @@ VALUE_NORMS = ("group_mean", "per_head")
 
 
 @dataclass
-class CriticalSelector:
+class CriticalSelector(Selector):
     """Two stages: ``floor(alpha * b)`` entries by attention, the rest by ``(A + eps) * ||V W_O||_1``.
 
     Stage 1 secures a large kept attention mass, the condition under which the paper's bound on the output

@@ -13,12 +13,12 @@ from torch import nn
 from criticalkv.core.heads import head_shard, share_every_head
 from criticalkv.core.view import LayerView
 from criticalkv.scorers.defensive import MASS_SLICES, WindowStatistics, window_statistics
-from criticalkv.selectors.base import keep_protected
+from criticalkv.selectors.base import Selector, keep_protected
 from criticalkv.selectors.value_norm import check_output_projections, projected_value_norm
 
 
 @dataclass
-class DefensiveSelector:
+class DefensiveSelector(Selector):
     """Ranks a layer's entries as DefensiveKV does; the allocator and each head's selection follow that ranking.
 
     ``rank`` turns a scorer's scores ``s`` into the ranking ``r`` (the runtime calls it before the allocator):

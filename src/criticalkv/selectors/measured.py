@@ -33,7 +33,7 @@ from criticalkv.core.view import LayerView
 from criticalkv.errors import UnsupportedModelError
 from criticalkv.logits import SINKS, logit_changes
 from criticalkv.scorers.snapkv import shared_window_attention
-from criticalkv.selectors.base import keep_protected, take_top
+from criticalkv.selectors.base import Selector, keep_protected, take_top
 from criticalkv.selectors.critical import CriticalSelector
 from criticalkv.selectors.topk import TopKSelector
 from criticalkv.selectors.value_norm import check_output_projections
@@ -339,7 +339,7 @@ def _inverse_mass(sums: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class PerturbationSelector:
+class PerturbationSelector(Selector):
     """Minimises the measured output perturbation of the observation window's queries, per KV head.
 
     Starts from the scorer's top-k set (or CriticalKV's) and improves it by swaps (``WindowPerturbation.improve``):

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from criticalkv.core.view import LayerView
-from criticalkv.selectors.base import add_top, keep_protected, largest, open_places
+from criticalkv.selectors.base import Selector, add_top, keep_protected, largest, open_places
 
 
 @dataclass
-class TopKSelector:
+class TopKSelector(Selector):
     """Protected entries first, then the best scores until each head's budget is full."""
 
     def select(

@@ -10,7 +10,7 @@ from criticalkv.budget import Budget
 from criticalkv.core.paths import cache_root
 from criticalkv.errors import CriticalKVError
 from criticalkv.methods import build_method
-from criticalkv.models.presets import load_model
+from criticalkv.models.loading import load_model
 from criticalkv.serve.app import ServerSettings, create_app
 from criticalkv.serve.store import ContextStore
 

@@ -308,7 +308,7 @@ def train_and_save(
 ) -> SurrogateWeights:
     """Load ``model_name`` (a preset or a folder), fit its surrogate on the King James text and save it to ``out``
     (safetensors, and the card beside it as JSON)."""
-    from criticalkv.models.presets import load_model
+    from criticalkv.models.loading import load_model
 
     text = kjv_text()  # before minutes of model loading: a missing text package fails now
     model, tokenizer = load_model(model_name, dtype=dtype, device=device)
