@@ -14,9 +14,11 @@ import pytest
 import test_serve
 import torch
 from test_serve import BUDGET, DOCUMENT, METHOD, NAME, Server
+from typer.testing import CliRunner
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
+from criticalkv.cli import app as cli_app
 from criticalkv.runtime.session import ContextSession
 from criticalkv.serve import decode
 from criticalkv.serve.app import ServerSettings, create_app
@@ -174,3 +176,10 @@ def test_caches_that_cannot_be_stacked_answer_one_by_one(tiny, tmp_path, monkeyp
         assert 'criticalkv_batch_rows_bucket{le="1"} 4' in httpx.get(server.url + "/metrics").text
     finally:
         server.stop()
+
+
+def test_serve_refuses_a_batch_below_one_before_loading_the_model(tiny_folder: Path) -> None:
+    refused = CliRunner().invoke(
+        cli_app, ["serve", "--model", str(tiny_folder), "--method", METHOD, "--budget", "0.3", "--max-batch", "0"]
+    )
+    assert refused.exit_code == 2 and "--max-batch >= 1" in refused.output
