@@ -118,8 +118,9 @@ def test_questions_on_one_context_decode_together_as_each_alone(tiny, tmp_path: 
 
 
 def test_a_failing_row_ends_alone(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A row whose own work fails (its text, here) gets 500; the other rows of its batch are answered in full. A
-    failure of the decode itself ends the rows not yet answered; those already answered keep their answers."""
+    """A row whose own work fails (its question's tokens, its text: made to fail here) gets 500; the other rows of its
+    batch are answered in full. A failure of the decode itself ends the rows not yet answered; those already answered
+    keep their answers, and the stored context answers as before."""
     made = []
 
     class FailingSecond(decode.TextStream):
@@ -132,13 +133,24 @@ def test_a_failing_row_ends_alone(tiny, tmp_path: Path, monkeypatch: pytest.Monk
                 raise RuntimeError("this row's text failed")
             return super().push(token)
 
+    real_question_ids = decode.question_ids
+
+    def question_ids(tokenizer, question: str):
+        if question == "untokenizable":
+            raise RuntimeError("this row's question failed")
+        return real_question_ids(tokenizer, question)
+
     question = ROWS[0][0]
-    server, _ = _serve(tiny, tmp_path, max_batch=3)
+    server, _ = _serve(tiny, tmp_path, max_batch=4)
     try:
         context_id = _context(server)
         monkeypatch.setattr(decode, "TextStream", FailingSecond)
-        results = _ask_together(server, context_id, [(question, 4, False)] * 3)
+        monkeypatch.setattr(decode, "question_ids", question_ids)
+        *results, untokenizable = _ask_together(
+            server, context_id, [(question, 4, False)] * 3 + [("untokenizable", 4, False)]
+        )
         monkeypatch.undo()
+        assert isinstance(untokenizable, openai.InternalServerError)
         failed = [r for r in results if isinstance(r, openai.InternalServerError)]
         assert len(failed) == 1 and [r for r in results if r not in failed] == [_alone(tiny, question, 4)] * 2
 
@@ -151,13 +163,12 @@ def test_a_failing_row_ends_alone(tiny, tmp_path: Path, monkeypatch: pytest.Monk
             return real_forward(self, *args)
 
         monkeypatch.setattr(ContextSession, "_forward", second_forward_fails)
-        short, long, streamed = _ask_together(
-            server, context_id, [(question, 1, False), (question, 6, False), (question, 6, True)]
-        )
+        rows = [(question, 1, False), (question, 6, False), (question, 6, True), (question, 2, True)]
+        short, *cut = _ask_together(server, context_id, rows)
         monkeypatch.undo()
         assert short == _alone(tiny, question, 1)
-        assert isinstance(long, openai.InternalServerError) and isinstance(streamed, openai.APIError)
-        assert _ask_together(server, context_id, [(question, 6, False)] * 3) == [_alone(tiny, question, 6)] * 3
+        assert isinstance(cut[0], openai.InternalServerError) and all(isinstance(r, openai.APIError) for r in cut)
+        assert _ask_together(server, context_id, [(question, 6, False)] * 4) == [_alone(tiny, question, 6)] * 4
     finally:
         server.stop()
 

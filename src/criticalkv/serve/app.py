@@ -45,6 +45,16 @@ class HTTPFailure(Exception):
         self.status, self.message = status, message
 
 
+def _checked_text(text: str, what: str) -> str:
+    """``text``, refused (422) when it is not Unicode text (a lone surrogate from a JSON escape): no tokenizer takes
+    it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise HTTPFailure(422, f"{what} is not valid Unicode text: {error.reason} at {error.start}") from None
+    return text
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")  # OpenAI's optional fields (name, ...) are accepted and not used
 
@@ -53,10 +63,10 @@ class Message(BaseModel):
 
     def text(self) -> str:
         if isinstance(self.content, str):
-            return self.content
+            return _checked_text(self.content, "a message")
         if any(part.get("type") != "text" for part in self.content):
             raise HTTPFailure(422, "only text message parts are supported")
-        return "".join(str(part.get("text", "")) for part in self.content)
+        return _checked_text("".join(str(part.get("text", "")) for part in self.content), "a message")
 
 
 class ChatRequest(BaseModel):
@@ -169,7 +179,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/contexts")
     async def create_context(body: ContextRequest) -> dict:
-        ids = document_ids(tokenizer, body.document)
+        ids = document_ids(tokenizer, _checked_text(body.document, "the document"))
         if ids.shape[1] > settings.max_document_tokens:
             raise HTTPFailure(
                 413,

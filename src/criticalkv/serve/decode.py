@@ -111,9 +111,10 @@ def answer_rows(session: ContextSession, rows: list[Row], tokenizer: PreTrainedT
 
 
 def _decode(session: ContextSession, rows: list[Row], tokenizer: PreTrainedTokenizerBase, metrics: Metrics) -> None:
-    device = next(session.model.parameters()).device
-    questions = [None if row.question is None else question_ids(tokenizer, row.question)[0] for row in rows]
-    ids, mask = _left_padded(questions, device)  # (b, q) each, or None
+    rows, questions = _tokenized(rows, tokenizer)
+    if not rows:
+        return
+    ids, mask = _left_padded(questions, next(session.model.parameters()).device)  # (b, q) each, or None
     for row, question in zip(rows, questions, strict=True):
         row.started.set_result(session.context_length + (0 if question is None else len(question)))
     decoder = session if len(rows) == 1 else ContextSession.stacked([session] * len(rows))
@@ -135,6 +136,20 @@ def _decode(session: ContextSession, rows: list[Row], tokenizer: PreTrainedToken
                 break
     finally:
         steps.close()  # rewinds the cache (the session's own, when it decoded alone), also after an error
+
+
+def _tokenized(rows: list[Row], tokenizer: PreTrainedTokenizerBase) -> tuple[list[Row], list[torch.Tensor | None]]:
+    """The rows whose question tokenizes, with its ids (q,) (None: no question); a row whose question does not ends
+    alone, with that error."""
+    kept, questions = [], []
+    for row in rows:
+        try:
+            questions.append(None if row.question is None else question_ids(tokenizer, row.question)[0])
+        except Exception as error:
+            row.fail(error)
+            continue
+        kept.append(row)
+    return kept, questions
 
 
 def _left_padded(
