@@ -231,18 +231,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
         created = int(time.time())
         if not body.stream:
             answer: Answer = await asyncio.wrap_future(row.finished)
+            message = {"role": "assistant", "content": answer.text}
             return {
                 "id": completion_id,
                 "object": "chat.completion",
                 "created": created,
                 "model": settings.model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": answer.text},
-                        "finish_reason": answer.finish,
-                    }
-                ],
+                "choices": [{"index": 0, "message": message, "finish_reason": answer.finish}],
                 "usage": _usage(prompt_tokens, answer.tokens),
             }
         row.finished.add_done_callback(lambda done: loop.call_soon_threadsafe(queue.put_nowait, ("end", done)))

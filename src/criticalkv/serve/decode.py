@@ -100,8 +100,8 @@ def answer_rows(session: ContextSession, rows: list[Row], tokenizer: PreTrainedT
     More than one row decodes on a stacked copy of the session's cache (the cache must be stackable), each row's
     question left-padded to the longest; the session's own cache is left as it was. One row decodes on the session
     itself, rewound afterwards. A row ends at its own ``max_tokens`` or stop token, and gets its answer then;
-    the decode runs while any row is live. An error in one row's own work (its text, its client) ends that row
-    alone; an error of the decode itself ends every row not yet answered.
+    the decode runs while any row is live. An error in one row's own work (its question's tokens, its text, its
+    client) ends that row alone; an error of the decode itself ends every row not yet answered.
     """
     try:
         _decode(session, rows, tokenizer, metrics)
@@ -157,7 +157,7 @@ def _left_padded(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Question ids (q_i,) each as one left-padded batch: ids (b, q) and mask (b, q); (None, None) for one row
     without a question."""
-    if questions == [None]:
+    if questions[0] is None:  # a request without a context: it decodes alone
         return None, None
     width = max(len(question) for question in questions)
     ids = torch.zeros(len(questions), width, dtype=torch.long)
