@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache
 from criticalkv.cli import app as cli_app
+from criticalkv.errors import CriticalKVError
 from criticalkv.runtime.session import ContextSession
 from criticalkv.serve import decode
 from criticalkv.serve.app import ServerSettings, create_app
@@ -189,8 +190,13 @@ def test_caches_that_cannot_be_stacked_answer_one_by_one(tiny, tmp_path, monkeyp
         server.stop()
 
 
-def test_serve_refuses_a_batch_below_one_before_loading_the_model(tiny_folder: Path) -> None:
+def test_a_batch_below_one_row_is_refused(tiny_folder: Path, tiny, tmp_path: Path) -> None:
+    """By ``criticalkv serve`` before the model loads, and by ``create_app`` (a batch of no rows would never end)."""
     refused = CliRunner().invoke(
         cli_app, ["serve", "--model", str(tiny_folder), "--method", METHOD, "--budget", "0.3", "--max-batch", "0"]
     )
     assert refused.exit_code == 2 and "--max-batch >= 1" in refused.output
+    model, tokenizer = tiny
+    store = ContextStore(model, tmp_path, max_bytes=1 << 30)
+    with pytest.raises(CriticalKVError, match="--batch-window-ms must be >= 0"):
+        create_app(ServerSettings(model, tokenizer, NAME, store, METHOD, Budget(BUDGET), batch_window=-1.0))

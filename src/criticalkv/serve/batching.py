@@ -11,10 +11,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from criticalkv.cache import CompressedCache
+from criticalkv.errors import CriticalKVError
 from criticalkv.runtime.session import ContextSession
 from criticalkv.serve.decode import Row
 
 log = logging.getLogger(__name__)
+
+
+def check_batching(window: float, max_rows: int) -> None:
+    """Refuse a negative window or a batch below one row (``CriticalKVError``, named as ``criticalkv serve``'s
+    options)."""
+    if window < 0 or max_rows < 1:
+        raise CriticalKVError(
+            f"--batch-window-ms must be >= 0 and --max-batch >= 1, got {window * 1000:g} ms and {max_rows}"
+        )
 
 
 @dataclass
@@ -56,6 +66,7 @@ class Batcher:
         window: float,
         max_rows: int,
     ) -> None:
+        check_batching(window, max_rows)
         self.worker, self.resolve, self.answer = worker, resolve, answer
         self.window, self.max_rows = window, max_rows
         self._pending: dict[str, _Pending] = {}

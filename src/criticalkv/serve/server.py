@@ -12,6 +12,7 @@ from criticalkv.errors import CriticalKVError
 from criticalkv.methods import build_method
 from criticalkv.models.presets import load_model
 from criticalkv.serve.app import ServerSettings, create_app
+from criticalkv.serve.batching import check_batching
 from criticalkv.serve.store import ContextStore
 
 MIB = 1 << 20
@@ -45,10 +46,7 @@ def serve(
         raise CriticalKVError("serve compresses its contexts: give a compressing --method and a --budget below 1.0")
     if max_memory_mib <= 0:
         raise CriticalKVError(f"--max-memory must be > 0 MiB, got {max_memory_mib}")
-    if batch_window < 0 or max_batch < 1:
-        raise CriticalKVError(
-            f"--batch-window-ms must be >= 0 and --max-batch >= 1, got {batch_window * 1000} and {max_batch}"
-        )
+    check_batching(batch_window, max_batch)  # before the model loads
     model, tokenizer = load_model(model_name, dtype=dtype, device=device)
     limit = max_document_tokens or int(getattr(model.config, "max_position_embeddings", 8192))
     settings = ServerSettings(
