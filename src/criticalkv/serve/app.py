@@ -219,9 +219,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
         def emit(piece: str) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, ("text", piece))
 
-        row = Row(None, max_tokens, emit if body.stream else _ignore, arrived)
+        question = None if body.context_id is None else _question(body)
+        row = Row(question, max_tokens, emit if body.stream else _ignore, arrived)
         if body.context_id is not None:
-            row.question = _question(body)
             batcher.submit(body.context_id, row)
         else:
             session = await on_worker(_prepare, settings, body)
