@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -171,6 +172,38 @@ def test_a_failing_row_ends_alone(tiny, tmp_path: Path, monkeypatch: pytest.Monk
         assert isinstance(cut[0], openai.InternalServerError) and all(isinstance(r, openai.APIError) for r in cut)
         assert _ask_together(server, context_id, [(question, 6, False)] * 4) == [_alone(tiny, question, 6)] * 4
     finally:
+        server.stop()
+
+
+def test_a_streaming_client_that_goes_away_stops_its_row(tiny, tmp_path: Path, monkeypatch) -> None:
+    """Its row ends at its next token, and the decode with it (it ran on to the row's ``max_tokens``)."""
+    server, _ = _serve(tiny, tmp_path, max_batch=1)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    real_forward, forwards, closed = ContextSession._forward, [], threading.Event()
+
+    def counted(self, *args):
+        forwards.append(self)
+        if len(forwards) == 2:  # the first decode step waits until the client has gone
+            closed.wait(timeout=30)
+        return real_forward(self, *args)
+
+    try:
+        context_id = _context(server)
+        monkeypatch.setattr(ContextSession, "_forward", counted)
+        ask = {
+            "model": NAME,
+            "messages": [{"role": "user", "content": "dog"}],
+            "extra_body": {"context_id": context_id},
+        }
+        stream = client.chat.completions.create(**ask, max_tokens=300, stream=True)
+        next(iter(stream))  # the answer has started
+        stream.close()
+        time.sleep(0.5)  # the server notices the disconnect
+        closed.set()
+        client.chat.completions.create(**ask, max_tokens=2)  # queued behind the first: answered once it ended
+        assert len(forwards) <= 4  # the first: its question's forward, and one step if it got there; the second: 2
+    finally:
+        closed.set()
         server.stop()
 
 

@@ -254,22 +254,25 @@ def create_app(settings: ServerSettings) -> FastAPI:
             return f"data: {json.dumps(payload)}\n\n"
 
         async def events():
-            yield chunk({"role": "assistant", "content": ""})
-            while True:
-                kind, item = await queue.get()
-                if kind == "text":
-                    yield chunk({"content": item})
-                    continue
-                error = item.exception()
-                if error is not None:  # headers are sent: the error travels as an event, then the stream ends
-                    yield f"data: {json.dumps({'error': {'message': str(error), 'code': 500}})}\n\n"
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                while True:
+                    kind, item = await queue.get()
+                    if kind == "text":
+                        yield chunk({"content": item})
+                        continue
+                    error = item.exception()
+                    if error is not None:  # headers are sent: the error travels as an event, then the stream ends
+                        yield f"data: {json.dumps({'error': {'message': str(error), 'code': 500}})}\n\n"
+                        break
+                    answer = item.result()
+                    include_usage = bool((body.stream_options or {}).get("include_usage"))
+                    usage = {"usage": _usage(prompt_tokens, answer.tokens)} if include_usage else {}
+                    yield chunk({}, answer.finish, **usage)
                     break
-                answer = item.result()
-                include_usage = bool((body.stream_options or {}).get("include_usage"))
-                usage = {"usage": _usage(prompt_tokens, answer.tokens)} if include_usage else {}
-                yield chunk({}, answer.finish, **usage)
-                break
-            yield "data: [DONE]\n\n"
+                yield "data: [DONE]\n\n"
+            finally:  # also when the client went away mid-answer: its row stops decoding
+                row.gone = True
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

@@ -44,6 +44,9 @@ class Row:
         Set to the prompt's tokens (context and question) once the row's context is resolved, or to its refusal.
     finished
         Set to the row's ``Answer``, or to the error that ended the row.
+    gone
+        Set (on the event loop) when the row's client went away: the row ends at its next token, and the decode
+        with it when no other row is live.
     """
 
     question: str | None
@@ -52,6 +55,7 @@ class Row:
     arrived: float
     started: Future[int] = field(default_factory=Future)
     finished: Future[Answer] = field(default_factory=Future)
+    gone: bool = False
 
     def fail(self, error: BaseException) -> None:
         """End the row with ``error`` (a row already answered keeps its answer)."""
@@ -69,7 +73,10 @@ class _Decoding:
         self.count, self.live = 0, True
 
     def take(self, token: int) -> None:
-        """The row's next token: sent as text to the row's client; the row ends at a stop token or its length."""
+        """The row's next token: sent as text to the row's client; the row ends at a stop token or its length, or
+        when its client went away."""
+        if self.row.gone:
+            raise ConnectionAbortedError("the client went away")
         if self.count == 0:
             self.metrics.first_token(time.perf_counter() - self.row.arrived)
         self.count += 1
