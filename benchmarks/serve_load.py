@@ -4,7 +4,9 @@ Starts ``criticalkv serve``'s application in this process on 127.0.0.1 (a free p
 needle documents of ``--tokens`` tokens, then ``--clients`` threads send chat requests (each naming one context,
 round robin) until ``--requests`` are sent or ``--seconds`` have passed, whichever comes first. Every request must
 be answered (200) or refused with a clear status; anything else (a connection error, a 5xx) is counted as a failure.
-Reports requests/s, p50 / p99 latency, statuses, and the process's resident memory sampled over the run.
+Reports requests/s, p50 / p99 latency, statuses, the batch sizes the server decoded (requests answered together on
+one context: ``--batch-window-ms``, ``--max-batch``, as ``criticalkv serve``'s), and the process's resident memory
+sampled over the run.
 
     python benchmarks/serve_load.py --model smollm2-135m --contexts 4 --tokens 1024 --clients 4 --requests 48 \
         --seconds 300 --max-tokens 8 --out results/serve_load.json
@@ -55,14 +57,26 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=300.0)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--max-memory", type=float, default=1024.0, help="MiB of contexts held in memory")
+    parser.add_argument("--batch-window-ms", type=float, default=10.0, help="as criticalkv serve's")
+    parser.add_argument("--max-batch", type=int, default=8, help="as criticalkv serve's (1: every request alone)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
     model, tokenizer = load_model(args.model, device="cpu")
     with tempfile.TemporaryDirectory() as folder:
         store = ContextStore(model, Path(folder), int(args.max_memory * (1 << 20)))
-        settings = ServerSettings(model, tokenizer, args.model, store, args.method, Budget.parse(args.budget))
-        server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=0, log_level="warning"))
+        settings = ServerSettings(
+            model,
+            tokenizer,
+            args.model,
+            store,
+            args.method,
+            Budget.parse(args.budget),
+            batch_window=args.batch_window_ms / 1000,
+            max_batch=args.max_batch,
+        )
+        app = create_app(settings)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         while not server.started:
@@ -73,10 +87,20 @@ def main() -> None:
         finally:
             server.should_exit = True
             thread.join(timeout=60)
+        report.update(batch_report(app.state.metrics.batches))
     print(json.dumps(report, indent=2))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))
+
+
+def batch_report(batches: Counter[int]) -> dict[str, object]:
+    """The server's decodes by their rows (chat requests answered together) and the mean rows per decode."""
+    decodes = batches.total()
+    return {
+        "decodes_by_rows": {str(rows): n for rows, n in sorted(batches.items())},
+        "rows_per_decode_mean": sum(rows * n for rows, n in batches.items()) / decodes if decodes else None,
+    }
 
 
 def run_load(url: str, args: argparse.Namespace, tokenizer) -> dict[str, object]:
@@ -137,6 +161,8 @@ def run_load(url: str, args: argparse.Namespace, tokenizer) -> dict[str, object]
         "context_tokens": args.tokens,
         "clients": args.clients,
         "max_tokens": args.max_tokens,
+        "batch_window_ms": args.batch_window_ms,
+        "max_batch": args.max_batch,
         "requests": sum(statuses.values()),
         "statuses": dict(statuses),
         "seconds": elapsed,

@@ -173,6 +173,12 @@ def test_bad_requests_get_clear_statuses(served) -> None:
     assert httpx.post(server.url + "/v1/chat/completions", json={"model": NAME}).status_code == 422
     with pytest.raises(openai.UnprocessableEntityError, match="greedy"):
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], temperature=0.7)
+    for path, body in (  # "\ud800" is a JSON escape that decodes to no character (a lone surrogate)
+        ("chat/completions", rb'{"model": "tiny", "messages": [{"role": "user", "content": "fox \ud800"}]}'),
+        ("contexts", rb'{"document": "fox \ud800"}'),
+    ):
+        refused = httpx.post(f"{server.url}/v1/{path}", content=body, headers={"content-type": "application/json"})
+        assert refused.status_code == 422 and "not valid Unicode text" in refused.text
     too_long = _new_context(server, "fox " * 2000)
     assert too_long.status_code == 413 and "limit of 400 tokens" in too_long.text
     metrics = httpx.get(server.url + "/metrics").text

@@ -143,6 +143,10 @@ def serve(
         int | None, typer.Option(help="Longer documents get 413 (default: the model's positions).")
     ] = None,
     max_tokens: Annotated[int, typer.Option(help="Tokens generated when a request does not say.")] = 128,
+    batch_window_ms: Annotated[
+        float, typer.Option(help="Milliseconds a question on a context waits for others to decode with it.")
+    ] = 10.0,
+    max_batch: Annotated[int, typer.Option(help="Questions on one context decoded together at most (1: alone).")] = 8,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "auto",
@@ -165,6 +169,8 @@ def serve(
             dtype,
             device,
             _parse_options(option or []),
+            batch_window_ms / 1000,
+            max_batch,
         )
     except CriticalKVError as error:
         print_error(console, error)

@@ -200,7 +200,8 @@ class ContextSession:
     @classmethod
     def stacked(cls, sessions: list[ContextSession]) -> ContextSession:
         """One session whose batch rows are the rows of ``sessions``, in order: sessions of one prompt
-        (``SharedPrefill``'s, one per method) answer one question in a single batched decode.
+        (``SharedPrefill``'s, one per method) answer one question in a single batched decode, and one session given
+        n times answers n questions on its context at once (the server's batches).
 
         Every session must hold an unpadded prompt of the same length (checked; each row decodes from its own cache,
         so the prompts themselves may differ) in a stackable ``CompressedCache`` (``CompressedCache.stack``) with

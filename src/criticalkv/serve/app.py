@@ -1,8 +1,9 @@
 """The OpenAI-compatible server: chat completions (streamed by server-sent events or not), models, and stored
 compressed contexts that chat requests name with the ``context_id`` extension field (docs/serving.md).
 
-Every model computation (compressing a document, answering) runs on one worker thread, one request after another:
-requests are serialised, never batched, so a context's cache is never used by two answers at once.
+Every model computation (compressing a document, answering) runs on one worker thread, one job after another.
+Concurrent chat requests on one stored context are one job: their questions are answered together, as the rows of
+one decode on a stacked copy of the context's cache (``Batcher``), so the stored cache itself never changes.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from criticalkv.budget import Budget
 from criticalkv.errors import CriticalKVError, StoredContextError
 from criticalkv.runtime.session import ContextSession
+from criticalkv.serve.batching import Batcher
+from criticalkv.serve.decode import Answer, Row, answer_rows
 from criticalkv.serve.metrics import Metrics
-from criticalkv.serve.prompts import TextStream, chat_ids, document_ids, question_ids
+from criticalkv.serve.prompts import chat_ids, document_ids
 from criticalkv.serve.store import ContextStore, UnknownContextError
 
 #: disk-full errors of a store write: answered 507 Insufficient Storage
@@ -42,6 +45,16 @@ class HTTPFailure(Exception):
         self.status, self.message = status, message
 
 
+def _checked_text(text: str, what: str) -> str:
+    """``text``, refused (422) when it is not Unicode text (a lone surrogate from a JSON escape): no tokenizer takes
+    it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise HTTPFailure(422, f"{what} is not valid Unicode text: {error.reason} at {error.start}") from None
+    return text
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")  # OpenAI's optional fields (name, ...) are accepted and not used
 
@@ -50,10 +63,10 @@ class Message(BaseModel):
 
     def text(self) -> str:
         if isinstance(self.content, str):
-            return self.content
+            return _checked_text(self.content, "a message")
         if any(part.get("type") != "text" for part in self.content):
             raise HTTPFailure(422, "only text message parts are supported")
-        return "".join(str(part.get("text", "")) for part in self.content)
+        return _checked_text("".join(str(part.get("text", "")) for part in self.content), "a message")
 
 
 class ChatRequest(BaseModel):
@@ -95,6 +108,10 @@ class ServerSettings:
         Longer documents are refused with 413.
     default_max_tokens
         Tokens generated when a request does not say.
+    batch_window
+        Seconds the first chat request on a context waits for others to answer together (0: no wait).
+    max_batch
+        Chat requests answered together at most (1: each alone).
     """
 
     model: PreTrainedModel
@@ -106,6 +123,8 @@ class ServerSettings:
     options: dict[str, object] = field(default_factory=dict)
     max_document_tokens: int = 8192
     default_max_tokens: int = 128
+    batch_window: float = 0.01
+    max_batch: int = 8
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
@@ -123,6 +142,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
     metrics = Metrics()
     app.state.settings, app.state.worker, app.state.metrics = settings, worker, metrics
     store, tokenizer = settings.store, settings.tokenizer
+    batcher = Batcher(
+        worker,
+        lambda context_id: _resolve(store, context_id),
+        lambda session, rows: answer_rows(session, rows, tokenizer, metrics),
+        settings.batch_window,
+        settings.max_batch,
+    )
 
     async def on_worker(function, *args):
         return await asyncio.wrap_future(worker.submit(function, *args))
@@ -153,7 +179,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/contexts")
     async def create_context(body: ContextRequest) -> dict:
-        ids = document_ids(tokenizer, body.document)
+        ids = document_ids(tokenizer, _checked_text(body.document, "the document"))
         if ids.shape[1] > settings.max_document_tokens:
             raise HTTPFailure(
                 413,
@@ -187,53 +213,34 @@ def create_app(settings: ServerSettings) -> FastAPI:
         max_tokens = body.max_completion_tokens or body.max_tokens or settings.default_max_tokens
         if max_tokens < 1:
             raise HTTPFailure(422, f"max_tokens must be >= 1, got {max_tokens}")
-        session, prompt = await on_worker(_prepare, settings, body)  # the context is resolved here, once
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()  # a streamed answer's pieces, then its end
+
+        def emit(piece: str) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, ("text", piece))
+
+        question = None if body.context_id is None else _question(body)
+        row = Row(question, max_tokens, emit if body.stream else _ignore, arrived)
+        if body.context_id is not None:
+            batcher.submit(body.context_id, row)
+        else:
+            session = await on_worker(_prepare, settings, body)
+            worker.submit(answer_rows, session, [row], tokenizer, metrics)
+        prompt_tokens = await asyncio.wrap_future(row.started)  # a refusal (404, 409) is the response's status
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-
-        def answer(emit) -> tuple[str, str, int]:
-            """Generate on the worker, ``emit`` each piece of new text; (text, finish reason, tokens)."""
-            text = TextStream(tokenizer)
-            eos = tokenizer.eos_token_id
-            steps = session.stream(prompt, max_new_tokens=max_tokens, eos_token_id=eos)
-            finish, count = "length", 0
-            try:
-                for token, _ in steps:
-                    if count == 0:
-                        metrics.first_token(time.perf_counter() - arrived)
-                    count += 1
-                    if eos is not None and int(token[0]) in _stop_ids(eos):
-                        finish = "stop"
-                        break
-                    piece = text.push(int(token[0]))
-                    if piece:
-                        emit(piece)
-            finally:
-                steps.close()  # rewinds the cache to the context, also when generation failed
-            rest = text.flush()
-            if rest:
-                emit(rest)
-            return text.text(), finish, count
-
-        usage_prompt = session.context_length + (0 if prompt is None else prompt.shape[1])
         if not body.stream:
-            text, finish, count = await on_worker(answer, lambda piece: None)
+            answer: Answer = await asyncio.wrap_future(row.finished)
+            message = {"role": "assistant", "content": answer.text}
             return {
                 "id": completion_id,
                 "object": "chat.completion",
                 "created": created,
                 "model": settings.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
-                "usage": _usage(usage_prompt, count),
+                "choices": [{"index": 0, "message": message, "finish_reason": answer.finish}],
+                "usage": _usage(prompt_tokens, answer.tokens),
             }
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def emit(piece: str) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, ("text", piece))
-
-        job = worker.submit(answer, emit)
-        job.add_done_callback(lambda done: loop.call_soon_threadsafe(queue.put_nowait, ("end", done)))
+        row.finished.add_done_callback(lambda done: loop.call_soon_threadsafe(queue.put_nowait, ("end", done)))
 
         def chunk(delta: dict, finish: str | None = None, **extra) -> str:
             payload = {
@@ -247,30 +254,33 @@ def create_app(settings: ServerSettings) -> FastAPI:
             return f"data: {json.dumps(payload)}\n\n"
 
         async def events():
-            yield chunk({"role": "assistant", "content": ""})
-            while True:
-                kind, item = await queue.get()
-                if kind == "text":
-                    yield chunk({"content": item})
-                    continue
-                error = item.exception()
-                if error is not None:  # headers are sent: the error travels as an event, then the stream ends
-                    yield f"data: {json.dumps({'error': {'message': str(error), 'code': 500}})}\n\n"
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                while True:
+                    kind, item = await queue.get()
+                    if kind == "text":
+                        yield chunk({"content": item})
+                        continue
+                    error = item.exception()
+                    if error is not None:  # headers are sent: the error travels as an event, then the stream ends
+                        yield f"data: {json.dumps({'error': {'message': str(error), 'code': 500}})}\n\n"
+                        break
+                    answer = item.result()
+                    include_usage = bool((body.stream_options or {}).get("include_usage"))
+                    usage = {"usage": _usage(prompt_tokens, answer.tokens)} if include_usage else {}
+                    yield chunk({}, answer.finish, **usage)
                     break
-                _, finish, count = item.result()
-                include_usage = bool((body.stream_options or {}).get("include_usage"))
-                usage = {"usage": _usage(usage_prompt, count)} if include_usage else {}
-                yield chunk({}, finish, **usage)
-                break
-            yield "data: [DONE]\n\n"
+                yield "data: [DONE]\n\n"
+            finally:  # also when the client went away mid-answer: its row stops decoding
+                row.gone = True
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
 
 
-def _stop_ids(eos: int | list[int]) -> set[int]:
-    return set(eos) if isinstance(eos, list | tuple) else {eos}
+def _ignore(piece: str) -> None:
+    """A non-streamed answer's ``emit``: its text is sent whole at the end."""
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -309,26 +319,29 @@ def _compress(settings: ServerSettings, ids: torch.Tensor) -> str:
         raise
 
 
-def _prepare(settings: ServerSettings, body: ChatRequest) -> tuple[ContextSession, torch.Tensor | None]:
-    """On the worker: the session a chat request is answered from and the tokens it appends (None: none).
+def _question(body: ChatRequest) -> str:
+    """The question a request naming a context asks: its one user message (422 for anything else)."""
+    users = [m for m in body.messages if m.role == "user"]
+    if len(body.messages) != 1 or len(users) != 1:
+        raise HTTPFailure(
+            422, "a request naming a context_id carries one user message: the question asked of that context"
+        )
+    return users[0].text()
 
-    With ``context_id`` the stored context is resolved now: a DELETE after this point does not stop the answer.
-    Without it, the whole conversation is prefilled and compressed under the server's method (question-aware).
-    """
-    device = next(settings.model.parameters()).device
-    if body.context_id is not None:
-        users = [m for m in body.messages if m.role == "user"]
-        if len(body.messages) != 1 or len(users) != 1:
-            raise HTTPFailure(
-                422, "a request naming a context_id carries one user message: the question asked of that context"
-            )
-        try:
-            session = settings.store.get(body.context_id)
-        except UnknownContextError:
-            raise HTTPFailure(404, f"no stored context {body.context_id}") from None
-        except StoredContextError as error:
-            raise HTTPFailure(409, str(error)) from None
-        return session, question_ids(settings.tokenizer, users[0].text()).to(device)
+
+def _resolve(store: ContextStore, context_id: str) -> ContextSession:
+    """On the worker: a stored context's session, when a batch on it starts (404 unknown, 409 another model's)."""
+    try:
+        return store.get(context_id)
+    except UnknownContextError:
+        raise HTTPFailure(404, f"no stored context {context_id}") from None
+    except StoredContextError as error:
+        raise HTTPFailure(409, str(error)) from None
+
+
+def _prepare(settings: ServerSettings, body: ChatRequest) -> ContextSession:
+    """On the worker: a request without a context, its whole conversation prefilled and compressed under the
+    server's method (question-aware); it is answered from the prefilled prompt."""
     if not body.messages:
         raise HTTPFailure(422, "messages is empty")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -339,7 +352,7 @@ def _prepare(settings: ServerSettings, body: ChatRequest) -> tuple[ContextSessio
         )
     session = ContextSession(settings.model, settings.method, settings.budget, **settings.options)
     try:
-        session.prefill(ids.to(device))
+        session.prefill(ids.to(next(settings.model.parameters()).device))
     except CriticalKVError as error:
         raise HTTPFailure(422, str(error)) from None
-    return session, None
+    return session

@@ -5,9 +5,13 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+#: upper bounds of the batch-size histogram's buckets (rows per decode)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
 
 class Metrics:
-    """Requests by route, errors by status, time to first token (a summary: sum and count)."""
+    """Requests by route, errors by status, time to first token (a summary: sum and count), rows per decode (a
+    histogram: how many chat requests were answered together)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -15,6 +19,7 @@ class Metrics:
         self.errors: Counter[int] = Counter()
         self.first_token_sum = 0.0
         self.first_token_count = 0
+        self.batches: Counter[int] = Counter()  # decodes by their rows
 
     def request(self, route: str, status: int) -> None:
         with self._lock:
@@ -26,6 +31,10 @@ class Metrics:
         with self._lock:
             self.first_token_sum += seconds
             self.first_token_count += 1
+
+    def batch(self, rows: int) -> None:
+        with self._lock:
+            self.batches[rows] += 1
 
     def render(self, held_bytes: int, held_contexts: int) -> str:
         with self._lock:
@@ -44,6 +53,16 @@ class Metrics:
                 "# TYPE criticalkv_time_to_first_token_seconds summary",
                 f"criticalkv_time_to_first_token_seconds_sum {self.first_token_sum}",
                 f"criticalkv_time_to_first_token_seconds_count {self.first_token_count}",
+                "# HELP criticalkv_batch_rows Chat requests answered together in one decode.",
+                "# TYPE criticalkv_batch_rows histogram",
+            ]
+            for bound in BATCH_BUCKETS:
+                below = sum(n for rows, n in self.batches.items() if rows <= bound)
+                lines.append(f'criticalkv_batch_rows_bucket{{le="{bound}"}} {below}')
+            lines += [
+                f'criticalkv_batch_rows_bucket{{le="+Inf"}} {self.batches.total()}',
+                f"criticalkv_batch_rows_sum {sum(rows * n for rows, n in self.batches.items())}",
+                f"criticalkv_batch_rows_count {self.batches.total()}",
             ]
         lines += [
             "# HELP criticalkv_context_bytes_held Key/value bytes of the compressed contexts held in memory.",

@@ -12,6 +12,7 @@ from criticalkv.errors import CriticalKVError
 from criticalkv.methods import build_method
 from criticalkv.models.loading import load_model
 from criticalkv.serve.app import ServerSettings, create_app
+from criticalkv.serve.batching import check_batching
 from criticalkv.serve.store import ContextStore
 
 MIB = 1 << 20
@@ -35,13 +36,17 @@ def serve(
     dtype: str = "auto",
     device: str = "auto",
     options: dict[str, object] | None = None,
+    batch_window: float = 0.01,
+    max_batch: int = 8,
 ) -> None:
+    """Serve until stopped; ``batch_window`` in seconds (``ServerSettings``)."""
     options = options or {}
     parsed = Budget.parse(budget)
     if build_method(method, **options) is None or parsed.keeps_everything:
         raise CriticalKVError("serve compresses its contexts: give a compressing --method and a --budget below 1.0")
     if max_memory_mib <= 0:
         raise CriticalKVError(f"--max-memory must be > 0 MiB, got {max_memory_mib}")
+    check_batching(batch_window, max_batch)  # before the model loads
     model, tokenizer = load_model(model_name, dtype=dtype, device=device)
     limit = max_document_tokens or int(getattr(model.config, "max_position_embeddings", 8192))
     settings = ServerSettings(
@@ -54,5 +59,7 @@ def serve(
         options=options,
         max_document_tokens=limit,
         default_max_tokens=max_tokens,
+        batch_window=batch_window,
+        max_batch=max_batch,
     )
     uvicorn.run(create_app(settings), host=host, port=port)
