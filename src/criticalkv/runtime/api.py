@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 from criticalkv.budget import Budget
 from criticalkv.errors import MethodOptionError
 from criticalkv.methods import build_method
+from criticalkv.runtime.chunked import attach, rolling_budget
 from criticalkv.runtime.compressor import Compressor, check_compressible, refuse_nesting
 from criticalkv.runtime.method import Method
 
@@ -39,6 +40,10 @@ def compress(
     model: PreTrainedModel,
     method: str | Method = "critical-snapkv",
     budget: Budget | float | int | str = 0.2,
+    *,
+    chunk_size: int | None = None,
+    cap: int | None = None,
+    compress_every: int | None = None,
     **options: object,
 ) -> Iterator[Compressor | None]:
     """Compress every prefill run inside the block; each layer's cache shrinks right after its prefill.
@@ -52,6 +57,16 @@ def compress(
     budget
         A fraction of each prompt (``0.2``) or an entry count per KV head (``512``). ``1.0`` installs nothing:
         the model runs exactly as without criticalkv (a model the method cannot compress is refused all the same).
+    chunk_size
+        Bounded memory (docs/guide.md): ``model.generate`` prefills the prompt ``chunk_size`` tokens at a time and
+        compresses every layer back to ``cap`` entries per KV head after each chunk.
+    cap
+        Entries per KV head kept by every compression of a chunked prefill or of decoding; it replaces ``budget``
+        (without it, an entry-count ``budget`` is the cap; a fraction is refused). A cap above the prompt's
+        length compresses nothing.
+    compress_every
+        While decoding, compress back to ``cap`` every ``compress_every`` generated tokens (the most recent
+        tokens are the window a window scorer protects).
     options
         Preset options, e.g. ``window=64`` or ``alpha=0.25``.
 
@@ -59,7 +74,8 @@ def compress(
     ------
     The installed ``Compressor`` (its ``records`` say what each layer kept), or None when nothing is compressed.
     """
-    compressor = make_compressor(model, method, budget, **options)
+    budget, rolling = rolling_budget(budget, chunk_size, cap, compress_every)
+    compressor = attach(make_compressor(model, method, budget, **options), rolling)
     if compressor is None:
         yield None
         return

@@ -219,6 +219,7 @@ class Compressor:
         self._active: weakref.ref | None = None  # the cache the running forward fills (``active_cache``)
         self._state: dict = {}
         self.facts = PrefillFacts()  # of the forward running now: a new one with every forward
+        self.rolling = None  # a ``runtime.rolling.Rolling``: compress again after each chunk / every N tokens
 
     @property
     def active_cache(self) -> CompressedCache | None:
@@ -259,6 +260,10 @@ class Compressor:
             def given(name: str) -> bool:
                 return kwargs.get(name, getattr(config, name, None)) is not None
 
+            if self.rolling is not None and self.rolling.chunk_size is not None:
+                from criticalkv.runtime.chunked import generate_in_chunks
+
+                return generate_in_chunks(self, generate, args, kwargs)
             if given("prefill_chunk_size"):
                 raise CacheStateError(
                     "generate(prefill_chunk_size=...) prefills the prompt chunk by chunk, and criticalkv would "
@@ -371,6 +376,8 @@ class Compressor:
         self._inputs = (ids, kwargs.get("attention_mask"))
 
     def _finish_prefill(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        if self.rolling is not None and not self._finishing:
+            self.rolling.finish(self)  # a cross-layer method's layers compressed again in this forward
         cache = self.active_cache
         if self._prefilling and cache is not None and not self._finishing:
             release_views(cache.layers)  # sliding layers' windows sliced from the prompt: the prompt's storage is freed
