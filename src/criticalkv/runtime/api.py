@@ -10,9 +10,10 @@ from transformers import PreTrainedModel
 from criticalkv.budget import Budget
 from criticalkv.errors import MethodOptionError
 from criticalkv.methods import build_method
-from criticalkv.runtime.chunked import attach, rolling_budget
+from criticalkv.runtime.chunked import rolling_budget
 from criticalkv.runtime.compressor import Compressor, check_compressible, refuse_nesting
 from criticalkv.runtime.method import Method
+from criticalkv.runtime.rolling import check_rolling_method
 
 
 def make_compressor(
@@ -33,6 +34,31 @@ def make_compressor(
             check_compressible(model, built)
         return None
     return Compressor(model, built, budget)
+
+
+def bounded_compressor(
+    model: PreTrainedModel,
+    method: str | Method,
+    budget: Budget | float | int | str,
+    chunk_size: int | None,
+    cap: int | None,
+    compress_every: int | None,
+    options: dict,
+) -> Compressor | None:
+    """``make_compressor`` with a bounded-memory schedule (``chunked.rolling_budget``): a method that cannot follow
+    it is refused before anything else is checked of the model (``BoundedMemoryError``)."""
+    budget, rolling = rolling_budget(method, budget, chunk_size, cap, compress_every)
+    if rolling is None:
+        return make_compressor(model, method, budget, **options)
+    if not isinstance(method, Method):
+        built = build_method(method, **options)
+        method, options = (built if built is not None else method), {}
+    if isinstance(method, Method):
+        check_rolling_method(method)
+    compressor = make_compressor(model, method, budget, **options)
+    if compressor is not None:
+        compressor.rolling = rolling
+    return compressor
 
 
 @contextmanager
@@ -74,8 +100,7 @@ def compress(
     ------
     The installed ``Compressor`` (its ``records`` say what each layer kept), or None when nothing is compressed.
     """
-    budget, rolling = rolling_budget(budget, chunk_size, cap, compress_every)
-    compressor = attach(make_compressor(model, method, budget, **options), rolling)
+    compressor = bounded_compressor(model, method, budget, chunk_size, cap, compress_every, options)
     if compressor is None:
         yield None
         return

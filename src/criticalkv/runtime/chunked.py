@@ -1,9 +1,9 @@
 """Chunked prefill: the prompt goes through the model ``chunk_size`` tokens at a time, and (with a compressor) every
 layer's cache is compressed back to the cap after each chunk, so memory stays bounded whatever the prompt's length.
 
-``bounded_compressor`` builds the compressor of ``criticalkv.compress(..., chunk_size=, cap=, compress_every=)``
-and of a ``ContextSession``; ``prefill_in_chunks`` runs the chunks; ``generate_in_chunks`` is what the model's
-``generate`` does inside such a block.
+``rolling_budget`` reads the options of ``criticalkv.compress(..., chunk_size=, cap=, compress_every=)`` and of a
+``ContextSession``; ``prefill_in_chunks`` runs the chunks; ``generate_in_chunks`` is what the model's ``generate``
+does inside such a block.
 """
 
 from __future__ import annotations
@@ -19,13 +19,18 @@ from criticalkv.budget import Budget
 from criticalkv.core.positions import forward_on_cache
 from criticalkv.errors import BoundedMemoryError, CacheStateError
 from criticalkv.runtime.compressor import Compressor
-from criticalkv.runtime.rolling import Rolling, check_rolling_method
+from criticalkv.runtime.rolling import Rolling
 
 
 def rolling_budget(
-    budget: Budget | float | int | str, chunk_size: int | None, cap: int | None, compress_every: int | None
+    method: object,
+    budget: Budget | float | int | str,
+    chunk_size: int | None,
+    cap: int | None,
+    compress_every: int | None,
 ) -> tuple[Budget, Rolling | None]:
-    """The budget and the compression schedule of a call with these options.
+    """The budget and the compression schedule of a call with these options (None: compress as usual, or not at
+    all for ``method`` ``"full"``).
 
     Without ``chunk_size`` and ``compress_every`` nothing changes (``cap`` alone is refused). With either, ``cap``
     (entries per KV head) is every compression's budget; without ``cap`` an entry-count budget serves as the cap,
@@ -37,9 +42,11 @@ def rolling_budget(
         if cap is not None:
             raise BoundedMemoryError("cap applies with chunk_size or compress_every; alone, give budget=cap")
         return budget, None
+    if method == "full":
+        return budget, None
     if cap is None:
         if budget.keeps_everything:
-            return budget, Rolling(2, chunk_size, compress_every)  # its cap never applies: nothing is installed
+            return budget, None
         if budget.is_fraction:
             raise BoundedMemoryError(
                 f"budget {budget} is a fraction of the prompt, which a chunked prefill or a long generation never "
@@ -48,14 +55,6 @@ def rolling_budget(
         cap = int(budget.value)
     rolling = Rolling(cap, chunk_size, compress_every)
     return rolling.budget, rolling
-
-
-def attach(compressor: Compressor | None, rolling: Rolling | None) -> Compressor | None:
-    """Give ``compressor`` the schedule ``rolling`` after checking its method can follow it; returns it."""
-    if compressor is not None and rolling is not None:
-        check_rolling_method(compressor.method)
-        compressor.rolling = rolling
-    return compressor
 
 
 def prefill_in_chunks(

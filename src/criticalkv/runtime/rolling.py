@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from criticalkv.budget import Budget
@@ -148,6 +149,8 @@ class Rolling:
         items, self._pending = self._pending, []
         start = time.process_time()
         method = compressor.method
+        width = max(item[0].keys.shape[2] for item in items)  # a cross-layer allocator reads one length for all
+        items = [_pad_left(item, width) for item in items]
         scores = [_scores(method, item) for item in items]
         self._apply(compressor, items, method.decide_layers([item[0] for item in items], self.budget, scores))
         compressor.compress_cpu_seconds += time.process_time() - start
@@ -166,9 +169,22 @@ class Rolling:
 
     def _apply(self, compressor, items: list[tuple], decisions: list) -> None:
         for (view, layer, held), decision in zip(items, decisions, strict=True):
-            if decision.keep is not None:
-                refill(layer, view.keys, view.values, decision.keep & held)
-            record(compressor, view, layer, decision)
+            keep = None if decision.keep is None else decision.keep & held  # (b, h_kv, T)
+            if keep is not None:
+                refill(layer, view.keys, view.values, keep)
+            kept = decision.budgets if keep is None else keep.sum(-1)  # (b, h_kv)
+            record(compressor, LayerRecord(view.module.layer_idx, view.lengths, kept, decision.kept_whole, keep))
+
+
+def _pad_left(item: tuple, width: int) -> tuple:
+    """A held-entries item (view, layer, held) padded on the left to ``width`` positions (nothing held there)."""
+    view, layer, held = item
+    pad = width - view.keys.shape[2]
+    if pad == 0:
+        return item
+    keys, values = (F.pad(x, (0, 0, pad, 0)) for x in (view.keys, view.values))  # (b, h_kv, width, d)
+    padded = LayerView(view.module, view.query, keys, values, F.pad(view.valid, (pad, 0)), view.scaling)
+    return padded, layer, F.pad(held, (pad, 0))
 
 
 def _scores(method: Method, item: tuple) -> torch.Tensor:
@@ -192,9 +208,10 @@ def _own_entries_attention(view: LayerView, held: torch.Tensor, w: int) -> torch
     return attention.masked_fill(~columns, 0.0) / (1.0 - padding).clamp(min=1e-30)
 
 
-def record(compressor, view: LayerView, layer: CompressedLayer, decision) -> None:
-    """The layer's record in ``compressor.records`` replaced by this compression's (one per layer: the latest)."""
-    keep = decision.keep if compressor.record_keep else None
-    fresh = LayerRecord(view.module.layer_idx, view.lengths, layer.lengths.clone(), decision.kept_whole, keep)
+def record(compressor, fresh: LayerRecord) -> None:
+    """``fresh`` replaces the record of its layer in ``compressor.records`` (one per layer: the latest); its keep
+    mask is dropped unless the compressor records them."""
+    if not compressor.record_keep:
+        fresh.keep = None
     records = compressor.records
     records[:] = [r for r in records if r.layer != fresh.layer] + [fresh]

@@ -21,8 +21,8 @@ from criticalkv.cache.compressed_cache import release_views, storage_bytes
 from criticalkv.core.layout import StageLength, on_this_stage, stage_layers
 from criticalkv.core.positions import forward_on_cache
 from criticalkv.errors import CacheStateError, CriticalKVError, PaddingError
-from criticalkv.runtime.api import make_compressor
-from criticalkv.runtime.chunked import attach, prefill_in_chunks, rolling_budget
+from criticalkv.runtime.api import bounded_compressor
+from criticalkv.runtime.chunked import prefill_in_chunks
 from criticalkv.runtime.compressor import Compressor, refuse_nesting, require_left_padding
 from criticalkv.runtime.method import Method
 
@@ -156,8 +156,9 @@ class ContextSession:
         **options: object,
     ) -> None:
         self.model = model
-        budget, rolling = rolling_budget(budget, chunk_size, cap, compress_every)
-        self.compressor: Compressor | None = attach(make_compressor(model, method, budget, **options), rolling)
+        self.compressor: Compressor | None = bounded_compressor(
+            model, method, budget, chunk_size, cap, compress_every, options
+        )
         self.chunk_size = chunk_size
         self.cache: Cache | None = None
         self.mask: torch.Tensor | None = None  # (b, seen) logical attention mask of the cached tokens
@@ -252,7 +253,7 @@ class ContextSession:
             self.compressor.start_prefill()
         start = time.perf_counter()
         try:
-            if self.chunk_size is not None and input_ids.shape[1] > self.chunk_size:
+            if self.chunk_size is not None:
                 logits = self._forward_in_chunks(input_ids, self.mask)
             else:
                 logits = self._forward(input_ids, self.mask)

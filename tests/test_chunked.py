@@ -1,0 +1,182 @@
+"""Chunked prefill with compression between chunks (runtime/chunked.py, runtime/rolling.py) on tiny random models:
+one chunk is the one-shot compression, an unreachable cap is the uncompressed chunked prefill bit for bit, and
+after several chunks every forward equals full attention with the evicted entries masked out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from bounded_reference import Tracker
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_allocators import _profile
+from test_every_preset import _random_surrogate
+from test_runtime import _ids, _left_padded, _model
+from transformers import DynamicCache
+
+import criticalkv
+from criticalkv.allocators import HeadKVAllocator
+from criticalkv.cache import CompressedLayer
+from criticalkv.errors import BoundedMemoryError
+from criticalkv.methods import build_method
+from criticalkv.runtime.chunked import prefill_in_chunks
+from criticalkv.runtime.method import Method
+from criticalkv.runtime.session import ContextSession
+
+WINDOWED = ("snapkv", "critical-snapkv", "critical-adakv", "pyramidkv", "layer-defensive", "defensive")
+
+
+def _layers(session: ContextSession) -> list[CompressedLayer]:
+    return [layer for layer in session.cache.layers if isinstance(layer, CompressedLayer)]
+
+
+def _method(name: str, model) -> str | Method:
+    """A preset, with what a tiny random model lacks: HeadKV's profile, the surrogate's maps."""
+    if name == "headkv":
+        built = build_method("critical-snapkv", window=8)
+        return Method(built.scorer, HeadKVAllocator(profile=_profile(model.config)), built.selector, name="headkv")
+    return name
+
+
+def _options(name: str, model) -> dict:
+    if "surrogate" in name:
+        return {"weights": _random_surrogate(model)}
+    return {"window": 8} if name in WINDOWED else {}
+
+
+def test_one_chunk_is_the_one_shot_compression():
+    model = _model("llama")
+    ids = _ids(40, seed=3)
+    one_shot = ContextSession(model, "critical-adakv", budget=12, window=8)
+    chunked = ContextSession(model, "critical-adakv", chunk_size=64, cap=12, window=8)
+    assert torch.equal(one_shot.prefill(ids), chunked.prefill(ids))
+    for a, b in zip(_layers(one_shot), _layers(chunked), strict=True):
+        assert torch.equal(a.lengths, b.lengths) and torch.equal(a.context_keys, b.context_keys)
+    assert torch.equal(one_shot.ask(_ids(3, seed=4), 6).tokens, chunked.ask(_ids(3, seed=4), 6).tokens)
+
+
+@pytest.mark.parametrize("method", ["critical-snapkv", "critical-adakv", "pyramidkv", "layer-defensive"])
+def test_an_unreachable_cap_is_the_uncompressed_chunked_prefill_bit_for_bit(method):
+    model = _model("llama")
+    ids, mask = _left_padded([_ids(37, seed=5)[0], _ids(22, seed=6)[0]])
+    full = ContextSession(model, "full", chunk_size=10)
+    capped = ContextSession(model, method, chunk_size=10, cap=1000, **_options(method, model))
+    assert torch.equal(full.prefill(ids, mask), capped.prefill(ids, mask))
+    assert all(not layer.is_compressed for layer in _layers(capped))
+    question = _ids(3, seed=7).expand(2, -1)
+    assert torch.equal(full.ask(question, 5).tokens, capped.ask(question, 5).tokens)
+    # the full session is transformers' own cache, prefilled chunk by chunk as prefill_in_chunks does
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = prefill_in_chunks(model, ids, mask, cache, 10).logits[:, -1].float()
+    assert torch.equal(logits, full.last_logits)
+
+
+@pytest.mark.parametrize(
+    ("method", "padded"),
+    [
+        ("critical-snapkv", False),
+        ("critical-snapkv", True),
+        ("critical-adakv", True),
+        ("headkv", False),
+        ("pyramidkv", True),
+        ("layer-defensive", True),
+        ("streaming", False),
+        ("tova", True),
+        ("critical-surrogate", False),
+    ],
+)
+def test_several_chunks_equal_the_masked_dense_reference(method, padded, monkeypatch):
+    model = _model("llama")
+    if padded:  # the second row's padding spans the first chunk whole
+        ids, mask = _left_padded([_ids(50, seed=8)[0], _ids(27, seed=9)[0]])
+    else:
+        ids, mask = _ids(50, seed=8), torch.ones(1, 50, dtype=torch.long)
+    tracker = Tracker(model, monkeypatch)
+    try:
+        session = ContextSession(model, _method(method, model), chunk_size=12, cap=10, **_options(method, model))
+        session.prefill(ids, mask)
+    finally:
+        tracker.close()
+    assert len(tracker.forwards) == 5
+    reference = tracker.replay(model)
+    for forward, want in zip(tracker.forwards, reference, strict=True):
+        assert (forward["logits"] - want).abs().max().item() < 1e-4
+    last = tracker.held(-1)
+    for held in last.values():
+        assert not bool((held & ~mask.bool()[:, None, :]).any())  # padding never held
+    total = sum(held.sum(-1).sum(-1) for held in last.values())  # (b,): every layer and head of a row
+    # allocators share out the cap; PyramidKV's shares come from each layer's own held length: up to twice the cap
+    assert bool((total <= (2 if method == "pyramidkv" else 1) * 10 * 2 * len(last)).all())
+    if method in ("critical-snapkv", "streaming", "tova", "critical-surrogate"):  # uniform: each head at the cap
+        assert all(bool((held.sum(-1) == 10).all()) for held in last.values())
+
+
+@settings(max_examples=12)
+@given(
+    t=st.integers(5, 40),
+    chunk=st.integers(4, 16),
+    cap=st.integers(6, 16),
+    window=st.integers(1, 6),
+    pad=st.integers(0, 20),
+)
+def test_every_head_holds_at_most_the_cap_and_the_window_after_each_chunk(t, chunk, cap, window, pad):
+    model = _model("llama")
+    ids, mask = _left_padded([_ids(t, seed=t)[0], _ids(max(t - pad, 1), seed=pad)[0]])
+    real = mask.sum(-1)  # (b,)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        tracker = Tracker(model, monkeypatch)
+        try:
+            ContextSession(model, "snapkv", chunk_size=chunk, cap=cap, window=window).prefill(ids, mask)
+        finally:
+            tracker.close()
+    for index in range(len(tracker.forwards)):
+        for held in tracker.held(index).values():  # (b, h_kv, seen)
+            seen = held.shape[-1]
+            held = held & mask[:, None, :seen].bool()  # a layer kept whole holds its padding (masked), as one-shot
+            so_far = mask[:, :seen].sum(-1)  # (b,) real tokens prefilled so far
+            assert torch.equal(held.sum(-1), torch.minimum(so_far, torch.tensor(cap))[:, None].expand(-1, 2))
+            recent = held[..., -window:] | ~mask[:, None, seen - min(window, seen) : seen].bool()
+            assert bool(recent.all())  # the last window's real tokens, in every head
+    assert len(tracker.forwards) == -(-ids.shape[1] // chunk) and bool((real > 0).all())
+
+
+def test_the_window_is_kept_after_each_chunk(monkeypatch):
+    model = _model("llama")
+    tracker = Tracker(model, monkeypatch)
+    try:
+        ContextSession(model, "critical-snapkv", chunk_size=7, cap=9, window=5).prefill(_ids(45, seed=2))
+    finally:
+        tracker.close()
+    for index in range(len(tracker.forwards)):
+        for held in tracker.held(index).values():
+            assert bool(held[..., -5:].all())  # the last five tokens, in every head
+            assert int(held.sum(-1).max()) <= 9
+
+
+def test_generate_in_a_chunked_block_is_the_session_with_the_last_token_as_question():
+    model = _model("llama")
+    ids = _ids(41, seed=11)
+    with criticalkv.compress(model, "critical-snapkv", chunk_size=16, cap=12, window=8):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    session = ContextSession(model, "critical-snapkv", chunk_size=16, cap=12, window=8)
+    session.prefill(ids[:, :-1])
+    assert torch.equal(out[:, 41:], session.ask(ids[:, -1:], 5).tokens)
+
+
+@pytest.mark.parametrize(
+    ("method", "options", "words"),
+    [
+        ("reconstruct", {}, "'reconstruct'"),
+        ("layer-defensive-bounded", {}, "'layer-defensive-bounded'"),
+        ("snapkv", {"budget": 0.2}, "fraction"),
+        ("snapkv", {"cap": 1}, "cap"),
+    ],
+)
+def test_what_cannot_run_in_chunks_is_refused_by_name(method, options, words):
+    model = _model("llama")
+    options = {"cap": 8, **options} if "budget" not in options else options
+    with pytest.raises(BoundedMemoryError, match=words):
+        ContextSession(model, method, chunk_size=8, **options)
+    with pytest.raises(BoundedMemoryError, match="cap applies"):
+        ContextSession(model, "snapkv", cap=8)
