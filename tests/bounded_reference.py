@@ -97,7 +97,7 @@ class Tracker:
         self.cache = kwargs.get("cache", kwargs.get("past_key_values"))
         self.forwards[-1].update(
             ids=kwargs["input_ids"],
-            mask=kwargs["attention_mask"],
+            mask=kwargs.get("attention_mask"),
             positions=kwargs.get("position_ids"),
             logits=output.logits[:, -1].float().clone(),
         )
