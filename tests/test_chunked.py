@@ -4,19 +4,24 @@ after several chunks every forward equals full attention with the evicted entrie
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from bounded_reference import Tracker
+from conftest import save_random_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_allocators import _profile
 from test_every_preset import _random_surrogate
 from test_runtime import _ids, _left_padded, _model
 from transformers import DynamicCache
+from typer.testing import CliRunner
 
 import criticalkv
 from criticalkv.allocators import HeadKVAllocator
 from criticalkv.cache import CompressedLayer
+from criticalkv.cli import app
 from criticalkv.errors import BoundedMemoryError
 from criticalkv.methods import build_method
 from criticalkv.runtime.chunked import prefill_in_chunks
@@ -180,3 +185,46 @@ def test_what_cannot_run_in_chunks_is_refused_by_name(method, options, words):
         ContextSession(model, method, chunk_size=8, **options)
     with pytest.raises(BoundedMemoryError, match="cap applies"):
         ContextSession(model, "snapkv", cap=8)
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory, tiny_tokenizer):
+    return save_random_llama(
+        tmp_path_factory.mktemp("short-llama"),
+        tiny_tokenizer,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+    )
+
+
+def test_run_prefills_in_chunks_and_compresses_while_answering(short_model, tmp_path):
+    context = tmp_path / "context.txt"
+    context.write_text("The quick brown fox jumps over the lazy dog. " * 3)
+    out = tmp_path / "run.json"
+    args = ["run", "--model", str(short_model), "--device", "cpu", "--context-file", str(context)]
+    args += ["--question", "Who jumps?", "--methods", "snapkv", "--max-new-tokens", "6", "--option", "window=4"]
+    args += ["--chunk-size", "16", "--cap", "12", "--compress-every", "4", "--json", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, (result.exception, result.output)
+    report = json.loads(out.read_text())
+    assert report["bounded"] == {"chunk_size": 16, "cap": 12, "compress_every": 4}
+    snapkv = next(r for r in report["results"] if r["method"] == "snapkv")
+    assert snapkv["kept_entries"] == 12  # one layer, one KV head, at the cap
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["run", "--chunk-size", "16"], "fraction"),
+        (["run", "--cap", "16"], "cap applies"),
+        (["eval", "ruler", "--chunk-size", "16"], "counts"),
+        (["eval", "needle", "--chunk-size", "16", "--cap", "8", "--budgets", "512"], "--cap is the sweep"),
+    ],
+)
+def test_the_commands_refuse_what_cannot_be_bounded(short_model, args, words):
+    result = CliRunner().invoke(app, [*args, "--model", str(short_model), "--device", "cpu"])
+    assert result.exit_code == 2 and words in " ".join(result.output.split()), result.output
