@@ -21,12 +21,15 @@ from typer.testing import CliRunner
 import criticalkv
 from criticalkv.allocators import HeadKVAllocator
 from criticalkv.cache import CompressedLayer
+from criticalkv.cache.rolling import held_entries
 from criticalkv.cli import app
+from criticalkv.core.view import LayerView
 from criticalkv.errors import BoundedMemoryError
 from criticalkv.methods import build_method
 from criticalkv.runtime.chunked import prefill_in_chunks
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.session import ContextSession
+from criticalkv.scorers.base import window_attention
 
 WINDOWED = ("snapkv", "critical-snapkv", "critical-adakv", "pyramidkv", "layer-defensive", "defensive")
 
@@ -228,3 +231,33 @@ def test_run_prefills_in_chunks_and_compresses_while_answering(short_model, tmp_
 def test_the_commands_refuse_what_cannot_be_bounded(short_model, args, words):
     result = CliRunner().invoke(app, [*args, "--model", str(short_model), "--device", "cpu"])
     assert result.exit_code == 2 and words in " ".join(result.output.split()), result.output
+
+
+def test_heads_holding_different_counts_read_their_own_entries_alone():
+    """A ragged layer (head-wise budgets) compressed again: the window's attention of each head is its softmax over
+    the entries it holds, as on that head's entries alone; its padding gets nothing."""
+    module = _model("llama").model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(0)
+    layer = CompressedLayer()
+    layer.update(torch.randn(1, 2, 10, 16, generator=gen), torch.randn(1, 2, 10, 16, generator=gen))
+    keep = torch.ones(1, 2, 10, dtype=torch.bool)
+    keep[0, 0, :4] = False  # head 0 holds 6 entries, head 1 all 10
+    layer.compress(keep)
+    layer.update(torch.randn(1, 2, 3, 16, generator=gen), torch.randn(1, 2, 3, 16, generator=gen))
+    keys, values, held = held_entries(layer)  # (1, 2, 13, 16), (1, 2, 13)
+    assert held.sum(-1).tolist() == [[9, 13]]
+    query = torch.randn(1, 4, 3, 16, generator=gen)
+    view = LayerView(module, query, keys, values, held.any(1), 0.25, held=held)
+    attention = window_attention(view, 3)  # (1, 2, G, 3, 13)
+    for head in range(2):
+        own = held[0, head]
+        alone = LayerView(
+            module,
+            query[:, 2 * head : 2 * head + 2],
+            keys[:, head : head + 1, own],
+            values[:, head : head + 1, own],
+            torch.ones(1, int(own.sum()), dtype=torch.bool),
+            0.25,
+        )
+        torch.testing.assert_close(attention[:, head, ..., own], window_attention(alone, 3)[:, 0])
+        assert float(attention[:, head, ..., ~own].abs().sum()) == 0.0

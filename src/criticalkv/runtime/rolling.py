@@ -29,7 +29,7 @@ from criticalkv.core.view import LayerView
 from criticalkv.errors import BoundedMemoryError
 from criticalkv.runtime.compressor import LayerRecord
 from criticalkv.runtime.method import Method
-from criticalkv.scorers.base import window_attention
+from criticalkv.scorers.base import declares_non_negative
 
 
 def check_rolling_method(method: Method) -> None:
@@ -164,7 +164,8 @@ class Rolling:
             held[..., held.shape[-1] - tail :] &= real[:, None, :]
         valid = held.any(dim=1)  # (b, T): a suffix of each row, as left padding (segments are right-aligned)
         query = self._rows[module.layer_idx]
-        view = LayerView(module, query, keys, values, valid, module.scaling)
+        ragged = not bool((held == valid[:, None, :]).all())
+        view = LayerView(module, query, keys, values, valid, module.scaling, held=held if ragged else None)
         return view, layer, held
 
     def _apply(self, compressor, items: list[tuple], decisions: list) -> None:
@@ -183,29 +184,23 @@ def _pad_left(item: tuple, width: int) -> tuple:
     if pad == 0:
         return item
     keys, values = (F.pad(x, (0, 0, pad, 0)) for x in (view.keys, view.values))  # (b, h_kv, width, d)
-    padded = LayerView(view.module, view.query, keys, values, F.pad(view.valid, (pad, 0)), view.scaling)
-    return padded, layer, F.pad(held, (pad, 0))
+    held = F.pad(held, (pad, 0))
+    ragged = None if view.held is None else held
+    padded = LayerView(view.module, view.query, keys, values, F.pad(view.valid, (pad, 0)), view.scaling, held=ragged)
+    return padded, layer, held
 
 
 def _scores(method: Method, item: tuple) -> torch.Tensor:
-    """The method's scores of a held-entries view, (b, h_kv, T): a head's padding (a shorter segment) scores 0,
-    below any real entry's attention score, and is dropped after selection. Where segments differ in length, the
-    window's attention is first renormalised over each head's own entries (``_own_entries_attention``)."""
+    """The method's scores of a held-entries view, (b, h_kv, T). Where a row's heads hold different counts, the view
+    says which positions each head holds (``LayerView.held``: the window's attention reads those alone), and a
+    head's padding scores below every real entry (0 for scores >= 0 by the scorer's word), so that it is taken
+    only where a head's budget exceeds what it holds; it is dropped after selection."""
     view, _, held = item
-    ragged = not bool((held == view.valid[:, None, :]).all())
-    if ragged and view.query.shape[2]:
-        w = min(method.query_rows, view.keys.shape[2])
-        view.memo[("window_attention", w)] = _own_entries_attention(view, held, w)
-    return method.scores_of(view).masked_fill(~held, 0.0)
-
-
-def _own_entries_attention(view: LayerView, held: torch.Tensor, w: int) -> torch.Tensor:
-    """The window's attention (b, h_kv, G, w, T) over each head's held entries alone: the padding columns' share
-    of each softmax row is removed and the rest rescaled, which is the softmax over the held columns (sinks kept)."""
-    attention = window_attention(view, w)
-    columns = held[:, :, None, None, :]  # (b, h_kv, 1, 1, T)
-    padding = attention.masked_fill(columns, 0.0).sum(-1, keepdim=True)  # (b, h_kv, G, w, 1): the padding's share
-    return attention.masked_fill(~columns, 0.0) / (1.0 - padding).clamp(min=1e-30)
+    scores = method.scores_of(view)
+    if view.held is None:
+        return scores
+    low = 0.0 if declares_non_negative(method.scorer) else float(scores.min()) - 1.0
+    return scores.masked_fill(~held, low)
 
 
 def record(compressor, fresh: LayerRecord) -> None:
