@@ -31,7 +31,15 @@ from criticalkv.runtime.method import Method
 from criticalkv.runtime.session import ContextSession
 from criticalkv.scorers.base import window_attention
 
-WINDOWED = ("snapkv", "critical-snapkv", "critical-adakv", "pyramidkv", "layer-defensive", "defensive")
+WINDOWED = (
+    "snapkv",
+    "critical-snapkv",
+    "critical-adakv",
+    "pyramidkv",
+    "layer-defensive",
+    "defensive",
+    "measured-adakv",
+)
 
 
 def _layers(session: ContextSession) -> list[CompressedLayer]:
@@ -92,6 +100,9 @@ def test_an_unreachable_cap_is_the_uncompressed_chunked_prefill_bit_for_bit(meth
         ("streaming", False),
         ("tova", True),
         ("critical-surrogate", False),
+        ("defensive", True),
+        ("measured-adakv", True),
+        ("knorm", False),
     ],
 )
 def test_several_chunks_equal_the_masked_dense_reference(method, padded, monkeypatch):
