@@ -272,3 +272,16 @@ def test_heads_holding_different_counts_read_their_own_entries_alone():
         )
         torch.testing.assert_close(attention[:, head, ..., own], window_attention(alone, 3)[:, 0])
         assert float(attention[:, head, ..., ~own].abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("family", ["granite", "qwen3"])  # a softmax scale of its own; QK-norm
+def test_chunks_on_other_families_equal_the_masked_dense_reference(family, monkeypatch):
+    model = _model(family)
+    ids, mask = _left_padded([_ids(40, seed=12)[0], _ids(29, seed=13)[0]])
+    tracker = Tracker(model, monkeypatch)
+    try:
+        ContextSession(model, "critical-adakv", chunk_size=10, cap=8, window=4).prefill(ids, mask)
+    finally:
+        tracker.close()
+    for forward, want in zip(tracker.forwards, tracker.replay(model), strict=True):
+        assert (forward["logits"] - want).abs().max().item() < 1e-4

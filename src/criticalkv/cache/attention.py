@@ -218,7 +218,7 @@ def criticalkv_attention(
         compressor.compress_layer(module, query, key, value, attention_mask, scaling, layer)
     rolling = getattr(compressor, "rolling", None)  # compressing again after each chunk / every N tokens
     if layer is not None and rolling is not None:
-        rolling.observe(compressor, module, query, attention_mask, layer, new_prompt)
+        rolling.observe(compressor, module, query, attention_mask, scaling, layer, new_prompt)
     return out, weights
 
 

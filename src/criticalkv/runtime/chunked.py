@@ -17,7 +17,7 @@ from transformers.utils import ModelOutput
 
 from criticalkv.budget import Budget
 from criticalkv.core.positions import forward_on_cache
-from criticalkv.errors import BoundedMemoryError, CacheStateError
+from criticalkv.errors import BoundedMemoryError
 from criticalkv.runtime.compressor import Compressor
 from criticalkv.runtime.rolling import Rolling
 
@@ -91,8 +91,6 @@ def generate_in_chunks(compressor: Compressor, generate: Callable, args: tuple, 
     ids = kwargs.pop("input_ids", None)
     if ids is None and args:
         ids, args = args[0], args[1:]
-    if kwargs.get("prefill_chunk_size") is not None:
-        raise CacheStateError("generate(prefill_chunk_size=...) inside a compress(..., chunk_size=...) block: give one")
     if not isinstance(ids, torch.Tensor) or kwargs.get("cache", kwargs.get("past_key_values")) is not None:
         return generate(*args, input_ids=ids, **kwargs)  # embeddings, or a cache to continue: nothing to chunk
     mask = kwargs.pop("attention_mask", None)

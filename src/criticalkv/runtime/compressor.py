@@ -260,14 +260,11 @@ class Compressor:
             def given(name: str) -> bool:
                 return kwargs.get(name, getattr(config, name, None)) is not None
 
-            if self.rolling is not None and self.rolling.chunk_size is not None:
-                from criticalkv.runtime.chunked import generate_in_chunks
-
-                return generate_in_chunks(self, generate, args, kwargs)
             if given("prefill_chunk_size"):
                 raise CacheStateError(
                     "generate(prefill_chunk_size=...) prefills the prompt chunk by chunk, and criticalkv would "
-                    "compress the first chunk as the whole context: prefill in one forward inside criticalkv.compress"
+                    "compress the first chunk as the whole context: prefill in one forward inside criticalkv.compress, "
+                    "or give criticalkv.compress(..., chunk_size=, cap=)"
                 )
             if given("assistant_model") or given("prompt_lookup_num_tokens"):
                 raise CacheStateError(
@@ -294,6 +291,10 @@ class Compressor:
                     "every step runs over the whole uncompressed sequence",
                     stacklevel=2,
                 )
+            if self.rolling is not None and self.rolling.chunk_size is not None:  # compress(..., chunk_size=)
+                from criticalkv.runtime.chunked import generate_in_chunks
+
+                return generate_in_chunks(self, generate, args, kwargs)
             return generate(*args, **kwargs)
 
         self.model.generate = guarded

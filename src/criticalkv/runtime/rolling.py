@@ -121,6 +121,7 @@ class Rolling:
         module: nn.Module,
         query: torch.Tensor,
         attention_mask: torch.Tensor | None,
+        scaling: float,
         layer: CompressedLayer,
         new_prompt: bool,
     ) -> None:
@@ -134,7 +135,7 @@ class Rolling:
             return
         start = time.process_time()
         self._checked[layer_idx] = layer.seen
-        item = self._view(module, attention_mask, layer)
+        item = self._view(module, attention_mask, scaling, layer)
         if method.deferred:
             self._pending.append(item)
         else:
@@ -155,7 +156,9 @@ class Rolling:
         self._apply(compressor, items, method.decide_layers([item[0] for item in items], self.budget, scores))
         compressor.compress_cpu_seconds += time.process_time() - start
 
-    def _view(self, module: nn.Module, attention_mask: torch.Tensor | None, layer: CompressedLayer) -> tuple:
+    def _view(
+        self, module: nn.Module, attention_mask: torch.Tensor | None, scaling: float, layer: CompressedLayer
+    ) -> tuple:
         """The layer's held entries as a view: (view, layer, held (b, h_kv, T) bool)."""
         keys, values, held = held_entries(layer)  # (b, h_kv, T, d), (b, h_kv, T)
         if attention_mask is not None:  # the tail's padding (a row whose real tokens start in this chunk)
@@ -165,7 +168,7 @@ class Rolling:
         valid = held.any(dim=1)  # (b, T): a suffix of each row, as left padding (segments are right-aligned)
         query = self._rows[module.layer_idx]
         ragged = not bool((held == valid[:, None, :]).all())
-        view = LayerView(module, query, keys, values, valid, module.scaling, held=held if ragged else None)
+        view = LayerView(module, query, keys, values, valid, scaling, held=held if ragged else None)
         return view, layer, held
 
     def _apply(self, compressor, items: list[tuple], decisions: list) -> None:
