@@ -78,6 +78,8 @@ def test_an_unreachable_cap_is_the_uncompressed_chunked_prefill_bit_for_bit(meth
     full = ContextSession(model, "full", chunk_size=10)
     capped = ContextSession(model, method, chunk_size=10, cap=1000, **_options(method, model))
     assert torch.equal(full.prefill(ids, mask), capped.prefill(ids, mask))
+    whole = ContextSession(model, method, budget=1.0, chunk_size=10)  # budget 1.0: nothing installed, as one-shot
+    assert whole.compressor is None and torch.equal(whole.prefill(ids, mask), full.last_logits)
     assert all(not layer.is_compressed for layer in _layers(capped))
     question = _ids(3, seed=7).expand(2, -1)
     assert torch.equal(full.ask(question, 5).tokens, capped.ask(question, 5).tokens)

@@ -8,9 +8,13 @@ import pytest
 import torch
 from bounded_reference import Tracker
 from test_runtime import _generate, _ids, _left_padded, _model
+from test_sweep import _score, _setup
 
 import criticalkv
+from criticalkv.budget import Budget
 from criticalkv.cache import CompressedLayer
+from criticalkv.eval.sweep import run_sweep
+from criticalkv.prompts import encode_prompt
 from criticalkv.runtime.session import ContextSession
 
 CAP, EVERY = 12, 4
@@ -85,3 +89,29 @@ def test_a_session_holds_the_cap_while_answering_and_keeps_its_context():
     assert max(sizes) <= CAP + EVERY and len(sizes) == 20
     assert session.kv_bytes() == before  # the context is back, as after the prefill
     assert torch.equal(session.ask(question, 20).tokens, first)
+
+
+def test_a_sweep_with_bounded_options_answers_as_separate_bounded_sessions(tmp_path, tiny_tokenizer):
+    model, samples = _setup(tiny_tokenizer)
+    bounded = {"chunk_size": 64, "compress_every": 4}
+    rows = run_sweep(
+        model,
+        tiny_tokenizer,
+        samples[:1],
+        _score,
+        methods=["critical-snapkv"],
+        budgets=[Budget(24)],
+        regime="agnostic",
+        out_dir=tmp_path,
+        max_new_tokens=lambda s: 6,
+        bounded=bounded,
+        settings={"bounded": bounded},
+    )
+    sample = samples[0]
+    prefix_ids, suffix_ids = encode_prompt(tiny_tokenizer, sample.context, sample.question, sample.answer_prefix)
+    for row in rows:
+        session = ContextSession(model, row.method, row.budget, **bounded)
+        session.prefill(torch.tensor([prefix_ids]))
+        tokens = session.ask(torch.tensor([suffix_ids]), max_new_tokens=6, eos_token_id=tiny_tokenizer.eos_token_id)
+        assert tiny_tokenizer.decode(tokens.tokens[0], skip_special_tokens=True).strip() == row.prediction
+    assert rows[1].kept_fraction < 0.2  # 24 entries per head of a prompt of more than 200 tokens
