@@ -216,7 +216,7 @@ def criticalkv_attention(
     new_prompt = layer is not None and layer.fresh
     if new_prompt:
         compressor.compress_layer(module, query, key, value, attention_mask, scaling, layer)
-    rolling = getattr(compressor, "rolling", None)  # compressing again after each chunk / every N tokens
+    rolling = compressor.rolling  # compressing again after each chunk / every N tokens (runtime.rolling)
     if layer is not None and rolling is not None:
         rolling.observe(compressor, module, query, attention_mask, scaling, layer, new_prompt)
     return out, weights

@@ -9,6 +9,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -488,31 +489,31 @@ class ContextSession:
         return [layer for layer in self.cache.layers if layer.is_initialized and layer.keys is not None]
 
     # --- internals ---------------------------------------------------------------------------------------------
+    @contextmanager
+    def _installed(self) -> Iterator[None]:
+        """The compressor installed for the block (a full session: refused inside another block, whose hooks would
+        replace or compress its cache)."""
+        if self.compressor is None:
+            refuse_nesting(self.model)
+            yield
+            return
+        self.compressor.install()
+        try:
+            yield
+        finally:
+            self.compressor.uninstall()
+
     def _forward_in_chunks(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Prefill input_ids (b, t) with their mask (b, t) ``chunk_size`` tokens at a time; last logits."""
         self.mask_with_pending = mask
-        if self.compressor is not None:
-            self.compressor.install()
-        else:
-            refuse_nesting(self.model)
-        try:
-            rolling = None if self.compressor is None else self.compressor.rolling
+        rolling = None if self.compressor is None else self.compressor.rolling
+        with self._installed():
             out = prefill_in_chunks(self.model, input_ids, mask, self.cache, self.chunk_size, rolling)
-        finally:
-            if self.compressor is not None:
-                self.compressor.uninstall()
         return out.logits[:, -1, :].float()
 
     def _forward(self, input_ids: torch.Tensor, full_mask: torch.Tensor) -> torch.Tensor:
         """Run new tokens (b, q) given the logical mask of everything so far (b, seen + q); last logits."""
         self.mask_with_pending = full_mask
-        if self.compressor is not None:
-            self.compressor.install()
-        else:  # a full session inside another block: that block's hooks would replace or compress its cache
-            refuse_nesting(self.model)
-        try:
+        with self._installed():
             out = forward_on_cache(self.model, input_ids, full_mask, self.cache)
-        finally:
-            if self.compressor is not None:
-                self.compressor.uninstall()
         return out.logits[:, -1, :].float()
