@@ -20,11 +20,13 @@ def _masked_attention(module, query, key, value, attention_mask, scaling=None, d
     b, h_kv, n, _ = key.shape
     q = query.shape[2]
     if attention_mask is None:
-        logical = torch.ones(q, n, dtype=torch.bool).tril(diagonal=n - q)[None, None].expand(b, 1, q, n)
+        logical = (
+            torch.ones(q, n, dtype=torch.bool, device=key.device).tril(diagonal=n - q)[None, None].expand(b, 1, q, n)
+        )
     else:
         logical = as_bool_mask(attention_mask)[:, :, :, :n].expand(b, 1, q, n)
     allowed = _ALLOWED.get(module.layer_idx)
-    columns = torch.ones(b, h_kv, n, dtype=torch.bool)
+    columns = torch.ones(b, h_kv, n, dtype=torch.bool, device=key.device)
     if allowed is not None:
         columns[:, :, : allowed.shape[-1]] = allowed
     mask = (logical & columns[:, :, None, :]).repeat_interleave(query.shape[1] // h_kv, dim=1)
