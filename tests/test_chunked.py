@@ -192,6 +192,7 @@ def test_generate_in_a_chunked_block_is_the_session_with_the_last_token_as_quest
         ("layer-defensive-bounded", {}, "'layer-defensive-bounded'"),
         ("snapkv", {"budget": 0.2}, "fraction"),
         ("snapkv", {"cap": 1}, "cap"),
+        ("snapkv", {"budget": 64, "cap": 8}, "give one"),
     ],
 )
 def test_what_cannot_run_in_chunks_is_refused_by_name(method, options, words):

@@ -33,7 +33,8 @@ def rolling_budget(
     all for ``method`` ``"full"``).
 
     Without ``chunk_size`` and ``compress_every`` nothing changes (``cap`` alone is refused). With either, ``cap``
-    (entries per KV head) is every compression's budget; without ``cap`` an entry-count budget serves as the cap,
+    (entries per KV head) is every compression's budget (a fraction ``budget``, such as the default, is not read; an
+    entry count other than the cap is refused); without ``cap`` an entry-count budget serves as the cap,
     ``1.0`` compresses nothing (the prompt is still prefilled in chunks), and a fraction is refused: a fraction of
     a prompt that no chunk sees whole.
     """
@@ -44,6 +45,8 @@ def rolling_budget(
         return budget, None
     if method == "full":
         return budget, None
+    if cap is not None and not budget.is_fraction and budget.value != cap:
+        raise BoundedMemoryError(f"budget {budget} and cap={cap} both count entries per head: give one")
     if cap is None:
         if budget.keeps_everything:
             return budget, None

@@ -444,6 +444,7 @@ class ContextSession:
         """A session over a copy of the context's ``rows`` (g,): its cache, mask and last logits."""
         part = ContextSession.__new__(ContextSession)
         part.model, part.compressor, part.context_length = self.model, self.compressor, self.context_length
+        part.chunk_size = self.chunk_size
         part.cache = copy.deepcopy(self.cache)
         part.cache.batch_select_indices(rows)
         part.mask = part.mask_with_pending = self.mask[rows]
