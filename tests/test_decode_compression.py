@@ -115,3 +115,20 @@ def test_a_sweep_with_bounded_options_answers_as_separate_bounded_sessions(tmp_p
         tokens = session.ask(torch.tensor([suffix_ids]), max_new_tokens=6, eos_token_id=tiny_tokenizer.eos_token_id)
         assert tiny_tokenizer.decode(tokens.tokens[0], skip_special_tokens=True).strip() == row.prediction
     assert rows[1].kept_fraction < 0.2  # 24 entries per head of a prompt of more than 200 tokens
+
+
+def test_stacked_sessions_compress_while_answering_once_they_saw_a_window():
+    model = _model("llama")
+    ids = _ids(30, seed=9)
+    sessions = []
+    for method in ("critical-snapkv", "snapkv"):
+        session = ContextSession(model, method, cap=CAP, compress_every=EVERY, window=8)  # a window > EVERY
+        session.prefill(ids)
+        sessions.append(session)
+    stacked = ContextSession.stacked(sessions)
+    question = _ids(2, seed=10).expand(2, -1)
+    steps = []
+    for _ in stacked.stream(question, 12):
+        layers = [layer for layer in stacked.cache.layers if isinstance(layer, CompressedLayer)]
+        steps.append(max(int(layer.lengths.max()) + layer.tail for layer in layers))
+    assert len(steps) == 12 and steps[-1] <= CAP + EVERY  # compressed once the stacked rows saw a window

@@ -133,6 +133,8 @@ class Rolling:
         self.remember(layer_idx, query, method.query_rows, fresh=new_prompt)
         if new_prompt or layer.pending or not self.due(layer, layer_idx):
             return
+        if self._rows[layer_idx].shape[2] < min(method.query_rows, layer.seen):
+            return  # rows of another batch remembered (sessions stacked after their prefill): wait for a window
         start = time.process_time()
         self._checked[layer_idx] = layer.seen
         item = self._view(module, attention_mask, scaling, layer)
