@@ -288,3 +288,17 @@ def test_chunks_on_other_families_equal_the_masked_dense_reference(family, monke
         tracker.close()
     for forward, want in zip(tracker.forwards, tracker.replay(model), strict=True):
         assert (forward["logits"] - want).abs().max().item() < 1e-4
+
+
+def test_generate_takes_the_prompt_by_keyword_or_position_and_beams_are_refused_while_decoding():
+    model = _model("llama")
+    ids = _ids(30, seed=14)
+    with criticalkv.compress(model, "snapkv", chunk_size=8, cap=10, window=4):
+        by_keyword = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+        by_position = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(by_keyword, by_position)
+    with (
+        criticalkv.compress(model, "snapkv", cap=10, compress_every=4, window=4),
+        pytest.raises(BoundedMemoryError, match="beam search"),
+    ):
+        model.generate(ids, max_new_tokens=4, num_beams=2, do_sample=False)

@@ -86,21 +86,26 @@ def prefill_in_chunks(
     return out
 
 
-def generate_in_chunks(compressor: Compressor, generate: Callable, args: tuple, kwargs: dict):
-    """The model's ``generate`` inside a block with ``chunk_size``: the prompt but its last token prefilled in
-    chunks into a compressed cache, then ``generate`` continues from that cache (its first step reads the last
-    token)."""
+def generate_in_chunks(compressor: Compressor, generate: Callable, args: tuple, kwargs: dict, config: object):
+    """The model's ``generate`` inside a block with a bounded-memory schedule: with ``chunk_size``, the prompt but
+    its last token prefilled in chunks into a compressed cache, then ``generate`` continues from that cache (its
+    first step reads the last token). Beam search with ``compress_every`` is refused: the beams reorder the cache,
+    not the window's remembered queries."""
+    rolling = compressor.rolling
+    if rolling.every is not None and (kwargs.get("num_beams") or getattr(config, "num_beams", 1) or 1) > 1:
+        raise BoundedMemoryError("beam search cannot compress while decoding (compress_every): use greedy or sampling")
+    if rolling.chunk_size is None:
+        return generate(*args, **kwargs)
     kwargs = dict(kwargs)
-    ids = kwargs.pop("input_ids", None)
-    if ids is None and args:
-        ids, args = args[0], args[1:]
+    if "input_ids" in kwargs:
+        ids = kwargs.pop("input_ids")
+    else:  # generate's first parameter, ``inputs``, or none (embeddings)
+        ids, args = (args[0], args[1:]) if args else (None, args)
     if not isinstance(ids, torch.Tensor) or kwargs.get("cache", kwargs.get("past_key_values")) is not None:
-        return generate(*args, input_ids=ids, **kwargs)  # embeddings, or a cache to continue: nothing to chunk
+        return generate(ids, *args, **kwargs)  # embeddings, or a cache to continue: nothing to chunk
     mask = kwargs.pop("attention_mask", None)
     mask = torch.ones_like(ids) if mask is None else mask
     cache = compressor.new_cache()
     if ids.shape[1] > 1:
-        prefill_in_chunks(
-            compressor.model, ids[:, :-1], mask[:, :-1], cache, compressor.rolling.chunk_size, compressor.rolling
-        )
-    return generate(*args, input_ids=ids, attention_mask=mask, cache=cache, **kwargs)
+        prefill_in_chunks(compressor.model, ids[:, :-1], mask[:, :-1], cache, rolling.chunk_size, rolling)
+    return generate(ids, *args, attention_mask=mask, cache=cache, **kwargs)  # ids: generate's first, ``inputs``

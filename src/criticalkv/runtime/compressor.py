@@ -291,10 +291,10 @@ class Compressor:
                     "every step runs over the whole uncompressed sequence",
                     stacklevel=2,
                 )
-            if self.rolling is not None and self.rolling.chunk_size is not None:  # compress(..., chunk_size=)
+            if self.rolling is not None:  # compress(..., chunk_size=, compress_every=)
                 from criticalkv.runtime.chunked import generate_in_chunks
 
-                return generate_in_chunks(self, generate, args, kwargs)
+                return generate_in_chunks(self, generate, args, kwargs, config)
             return generate(*args, **kwargs)
 
         self.model.generate = guarded
