@@ -21,6 +21,7 @@ from criticalkv.budget import Budget
 from criticalkv.core.layout import ParallelLayout
 from criticalkv.distributed import launch
 from criticalkv.errors import CriticalKVError
+from criticalkv.eval.bounded import Bounded, CapOption, ChunkSizeOption, CompressEveryOption
 from criticalkv.eval.commands import ModeOption, at_least, parse_numbers, regime_line, regime_of, split_items
 from criticalkv.eval.commands import app as eval_app
 from criticalkv.files import write_json
@@ -30,8 +31,10 @@ from criticalkv.models.families import SUPPORTED_FAMILIES, check_length
 from criticalkv.models.loading import load_notes
 from criticalkv.models.presets import DEFAULT_PRESET, list_presets
 from criticalkv.progress import layer_progress, output_console, print_error
-from criticalkv.runtime.api import make_compressor
+from criticalkv.runtime.api import bounded_compressor
 from criticalkv.runtime.checks import check_methods_config
+from criticalkv.runtime.chunked import rolling_budget
+from criticalkv.runtime.rolling import check_rolling_method
 from criticalkv.runtime.session import ContextSession
 
 app = typer.Typer(help="KV-cache eviction for long-context inference: CriticalKV over SnapKV and friends.")
@@ -289,6 +292,9 @@ def run(
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
     option: Annotated[list[str] | None, typer.Option(help="Method option key=value, e.g. window=64.")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write every figure to this JSON file.")] = None,
+    chunk_size: ChunkSizeOption = None,
+    cap: CapOption = None,
+    compress_every: CompressEveryOption = None,
 ) -> None:
     """Answer questions about a long document with the full cache and with compressed caches, side by side."""
     try:
@@ -307,6 +313,7 @@ def run(
             device,
             option or [],
             json_path,
+            Bounded(chunk_size, cap, compress_every),
         )
     except CriticalKVError as error:
         print_error(console, error)
@@ -328,6 +335,7 @@ def _run(
     device,
     option,
     json_path,
+    bounded: Bounded,
 ) -> None:
     mode = regime_of(mode, question_aware=False)  # DEFAULT_MODE when not given, as eval's --mode
     at_least(max_new_tokens, 1, "--max-new-tokens")
@@ -338,6 +346,9 @@ def _run(
     options = _parse_options(option)
     parsed_budget = Budget.parse(budget)
     built = [build_method(name, **options) for name in methods_[1:]]  # a bad name or option fails before the load
+    for name, built_method in zip(methods_[1:], built, strict=True):  # bounded options, checked before the load
+        if rolling_budget(name, parsed_budget, *bounded)[1] is not None:
+            check_rolling_method(built_method)
     if json_path is not None:
         _writable(json_path)
     if context_file is not None:
@@ -388,11 +399,11 @@ def _run(
     eos = tokenizer.eos_token_id
     for name in methods_:  # every compressing method is checked against the model before the first prefill
         if name != "full":
-            make_compressor(model, name, parsed_budget, **options)
+            bounded_compressor(model, name, parsed_budget, *bounded, options)
     results: list[RunResult] = []
     full_by_question: dict[str, tuple[int, int]] = {}
     for name in methods_:
-        session = ContextSession(model, name, parsed_budget, **(options if name != "full" else {}))
+        session = ContextSession(model, name, parsed_budget, **bounded.options, **(options if name != "full" else {}))
         for index, ((q, expected, _), (prefix_ids, suffix_ids)) in enumerate(zip(asked, encoded, strict=True)):
             if mode == "aware" or index == 0:
                 prompt = prefix_ids + suffix_ids if mode == "aware" else prefix_ids
@@ -441,6 +452,7 @@ def _run(
             "mode": {"aware": "question-aware", "agnostic": "question-agnostic"}[mode],
             "budget": parsed_budget.value,
             "options": options,
+            **bounded.setting,
             "parallel": {"tensor_parallel": layout.tp_size, "pipeline_stages": layout.pp_size},
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
             "machine": platform.processor() or platform.machine(),

@@ -51,3 +51,8 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
 class StoredContextError(CriticalKVError):
     """A saved context that cannot be loaded here: made for another model (config or weights), another dtype or
     another file layout version, or not a criticalkv file at all."""
+
+
+class BoundedMemoryError(CriticalKVError):
+    """A method that cannot compress a cache again and again (chunked prefill, compression while decoding): the
+    message names the method and what it would need."""

@@ -41,6 +41,10 @@ class LayerView:
     # Facts of the padding mask shared by every layer of one forward (lengths, a method's plan): the runtime hands
     # the views of one forward the same dict when their masks are the same (``runtime.prefill_view.prefill_view``).
     prefill: dict = field(default_factory=dict, repr=False)
+    # (b, h_kv, t) bool, when the heads of a row hold different entries (a cache compressed again, with head-wise
+    # budgets: ``runtime.rolling``): the positions each head really holds, the others being padding of that head.
+    # None: every head holds every ``valid`` position.
+    held: torch.Tensor | None = field(default=None, repr=False)
 
     def remember(self, key: object, compute: Callable[[], T]) -> T:
         """``compute()`` once per view and key: several methods deciding on one prefill share scores and norms."""

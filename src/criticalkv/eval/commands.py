@@ -15,6 +15,7 @@ import typer
 from criticalkv.budget import Budget
 from criticalkv.distributed import launch
 from criticalkv.errors import CriticalKVError, did_you_mean
+from criticalkv.eval.bounded import Bounded, CapOption, ChunkSizeOption, CompressEveryOption
 from criticalkv.eval.report import HEATMAP_PREFIX, file_stem, write_report
 from criticalkv.eval.sweep import REGIMES, check_out_folder, load_rows, pair_label, run_sweep, stored_settings
 from criticalkv.files import write_json
@@ -205,6 +206,9 @@ def ruler(
     batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = False,
     dtype: DtypeOption = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
+    chunk_size: ChunkSizeOption = None,
+    cap: CapOption = None,
+    compress_every: CompressEveryOption = None,
 ) -> None:
     """RULER's 13 tasks: every method and budget against the full cache, with compression loss."""
     from criticalkv.eval import ruler as ruler_data
@@ -220,7 +224,8 @@ def ruler(
                 f"unknown RULER task(s) {unknown}.{did_you_mean(unknown[0], ruler_data.TASKS)} "
                 f"Tasks: {', '.join(ruler_data.TASKS)}"
             )
-        parsed = _budgets(budgets)
+        bounded = Bounded(chunk_size, cap, compress_every)
+        parsed = bounded.budgets(_budgets(budgets))
         names, built = _methods(methods)
         regime = regime_of(mode, question_aware)
         if launch.is_main_process():
@@ -263,7 +268,9 @@ def ruler(
                 budget_of,
                 total=len(chosen) * samples,
                 batch_answers=batch_answers,
+                bounded=bounded.options,
                 settings={
+                    **bounded.setting,
                     "benchmark": "ruler",
                     "model": model,
                     "length": length,
@@ -315,12 +322,16 @@ def needle(
     batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = False,
     dtype: DtypeOption = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
+    chunk_size: ChunkSizeOption = None,
+    cap: CapOption = None,
+    compress_every: CompressEveryOption = None,
 ) -> None:
     """Needle in a haystack over depths x lengths: one heatmap per method and budget."""
     from criticalkv.eval.needle_grid import check_grid, needle_grid, plot_heatmap
 
     try:
-        parsed = _budgets(budgets)
+        bounded = Bounded(chunk_size, cap, compress_every)
+        parsed = bounded.budgets(_budgets(budgets))
         names, built = _methods(methods)
         regime = regime_of(mode, question_aware)
         if launch.is_main_process():
@@ -404,6 +415,9 @@ def longbench(
     batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = False,
     dtype: DtypeOption = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
+    chunk_size: ChunkSizeOption = None,
+    cap: CapOption = None,
+    compress_every: CompressEveryOption = None,
 ) -> None:
     """LongBench v1 (English and code) from local files: THUDM's prompts, truncation and metrics, every method and
     budget against the full cache."""
@@ -415,7 +429,8 @@ def longbench(
         at_least(max_length, 1, "--max-length")
         at_least(max_new_tokens, 0, "--max-new-tokens")
         groups = longbench_run.read_datasets(data, split_items(datasets, "--datasets"))
-        parsed = _budgets(budgets)
+        bounded = Bounded(chunk_size, cap, compress_every)
+        parsed = bounded.budgets(_budgets(budgets))
         names, built = _methods(methods)
         regime = regime_of(mode, question_aware)
         if launch.is_main_process():
@@ -446,7 +461,9 @@ def longbench(
                 budget_of,
                 total=len(items),
                 batch_answers=batch_answers,
+                bounded=bounded.options,
                 settings={
+                    **bounded.setting,
                     "benchmark": "longbench",
                     # 2: ids of the whole prompt, samsum ends at a line break; 3: other datasets end at the
                     # model's end-of-sequence tokens; a folder of another protocol is not resumed (its rows would

@@ -115,6 +115,7 @@ def run_sweep(
     encode: Encoder | None = None,
     stop: Callable[[Sample], StopRule] | None = None,
     raw_predictions: bool = False,
+    bounded: dict | None = None,
 ) -> list[Row]:
     """Answer every sample with the full cache and every (method, budget) pair; append rows to results.jsonl.
 
@@ -134,6 +135,9 @@ def run_sweep(
     first alone, the question-aware one both. By default it is ``encode_prompt`` on a ``ChatSample``'s fields.
 
     ``stop`` gives a sample's ``StopRule``; by default every answer ends at the tokenizer's end-of-sequence token.
+
+    ``bounded`` (``chunk_size``, ``compress_every``; ``ContextSession``'s options): every pair, the full cache
+    included, prefills its own session in chunks instead of sharing one prefill, and compresses while answering.
 
     A prediction is the decoded answer with its surrounding whitespace stripped (RULER's and the needle's scorers
     strip it too); with ``raw_predictions`` as decoded (LongBench: THUDM scores the raw text, and the indentation of
@@ -193,6 +197,7 @@ def run_sweep(
                     layout,
                     batch_answers,
                     raw_predictions,
+                    bounded,
                 )
                 try:
                     if unrecorded is not None:  # with the first row: a run that fails before leaves no settings
@@ -250,6 +255,7 @@ def _answer(
     layout: ParallelLayout,
     batch_answers: bool,
     raw_predictions: bool,
+    bounded: dict | None = None,
 ) -> list[Row]:
     """The rows of ``pairs`` for one sample of prompt ``ids`` (context ids, question ids); the full cache is
     prefilled in any case (the kept fractions' base)."""
@@ -257,7 +263,12 @@ def _answer(
     prompt = prefix_ids + suffix_ids if regime == "aware" else prefix_ids
     device = next(model.parameters()).device
     targets = pairs if any(label == "full" for label, _, _ in pairs) else [FULL_PAIR, *pairs]
-    sessions = SharedPrefill(model, targets).prefill(torch.tensor([prompt], device=device))
+    if bounded:  # each pair prefills in chunks on its own: no shared forward
+        sessions = {label: ContextSession(model, method, budget, **bounded) for label, method, budget in targets}
+        for session in sessions.values():
+            session.prefill(torch.tensor([prompt], device=device))
+    else:
+        sessions = SharedPrefill(model, targets).prefill(torch.tensor([prompt], device=device))
     full_entries = layout.total(sessions["full"].kv_entries())  # the whole model's, every rank's part counted
     kept = {label: layout.total(session.kv_entries()) / full_entries for label, session in sessions.items()}
     texts, batched = {}, {}

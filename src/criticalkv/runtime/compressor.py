@@ -90,6 +90,7 @@ class Compressor:
         self._active: weakref.ref | None = None  # the cache the running forward fills (``active_cache``)
         self._state: dict = {}
         self.facts = PrefillFacts()  # of the forward running now: a new one with every forward
+        self.rolling = None  # a ``runtime.rolling.Rolling``: compress again after each chunk / every N tokens
 
     @property
     def active_cache(self) -> CompressedCache | None:
@@ -133,7 +134,8 @@ class Compressor:
             if given("prefill_chunk_size"):
                 raise CacheStateError(
                     "generate(prefill_chunk_size=...) prefills the prompt chunk by chunk, and criticalkv would "
-                    "compress the first chunk as the whole context: prefill in one forward inside criticalkv.compress"
+                    "compress the first chunk as the whole context: prefill in one forward inside criticalkv.compress, "
+                    "or give criticalkv.compress(..., chunk_size=, cap=)"
                 )
             if given("assistant_model") or given("prompt_lookup_num_tokens"):
                 raise CacheStateError(
@@ -160,6 +162,10 @@ class Compressor:
                     "every step runs over the whole uncompressed sequence",
                     stacklevel=2,
                 )
+            if self.rolling is not None:  # compress(..., chunk_size=, compress_every=)
+                from criticalkv.runtime.chunked import generate_in_chunks
+
+                return generate_in_chunks(self, generate, args, kwargs, config)
             return generate(*args, **kwargs)
 
         self.model.generate = guarded
@@ -242,6 +248,8 @@ class Compressor:
         self._inputs = (ids, kwargs.get("attention_mask"))
 
     def _finish_prefill(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        if self.rolling is not None and not self._finishing:
+            self.rolling.finish(self)  # a cross-layer method's layers compressed again in this forward
         cache = self.active_cache
         if self._prefilling and cache is not None and not self._finishing:
             release_views(cache.layers)  # sliding layers' windows sliced from the prompt: the prompt's storage is freed

@@ -9,6 +9,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -21,8 +22,9 @@ from criticalkv.cache.compressed_cache import release_views, storage_bytes
 from criticalkv.core.layout import StageLength, on_this_stage, stage_layers
 from criticalkv.core.positions import forward_on_cache
 from criticalkv.errors import CacheStateError, CriticalKVError, PaddingError
-from criticalkv.runtime.api import make_compressor
+from criticalkv.runtime.api import bounded_compressor
 from criticalkv.runtime.checks import refuse_nesting
+from criticalkv.runtime.chunked import prefill_in_chunks
 from criticalkv.runtime.compressor import Compressor
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.prefill_view import require_left_padding
@@ -123,6 +125,10 @@ class ContextSession:
         A supported causal LM.
     method, budget, options
         As in ``criticalkv.compress``; ``"full"`` (or budget 1.0) keeps the full cache for comparison.
+    chunk_size, cap, compress_every
+        Bounded memory, as in ``criticalkv.compress``: ``prefill`` runs ``chunk_size`` tokens at a time and
+        compresses back to ``cap`` after each chunk; ``ask`` compresses back to ``cap`` every ``compress_every``
+        tokens, on a copy of the context (the next question starts from the same context).
 
     Attributes
     ----------
@@ -146,10 +152,17 @@ class ContextSession:
         model: PreTrainedModel,
         method: str | Method = "critical-snapkv",
         budget: Budget | float | int | str = 0.2,
+        *,
+        chunk_size: int | None = None,
+        cap: int | None = None,
+        compress_every: int | None = None,
         **options: object,
     ) -> None:
         self.model = model
-        self.compressor: Compressor | None = make_compressor(model, method, budget, **options)
+        self.compressor: Compressor | None = bounded_compressor(
+            model, method, budget, chunk_size, cap, compress_every, options
+        )
+        self.chunk_size = chunk_size
         self.cache: Cache | None = None
         self.mask: torch.Tensor | None = None  # (b, seen) logical attention mask of the cached tokens
         self.context_length = 0
@@ -177,6 +190,7 @@ class ContextSession:
         session.prefill_seconds = prefill_seconds
         session.compress_cpu_seconds = compress_cpu_seconds
         session.context_digest = None
+        session.chunk_size = None
         return session
 
     def save(self, path: str | os.PathLike) -> int:
@@ -243,7 +257,10 @@ class ContextSession:
             self.compressor.start_prefill()
         start = time.perf_counter()
         try:
-            logits = self._forward(input_ids, self.mask)
+            if self.chunk_size is not None:
+                logits = self._forward_in_chunks(input_ids, self.mask)
+            else:
+                logits = self._forward(input_ids, self.mask)
         except BaseException:
             self.cache = None  # a half-filled context: the next ask refuses it rather than answering on it
             raise
@@ -347,7 +364,10 @@ class ContextSession:
     ) -> Iterator[tuple[torch.Tensor, float]]:
         """The greedy decode loop of ``ask`` and ``stream``, its arguments checked (``_checked``; question_mask None:
         no question). It rewinds the cache when it ends or is closed, also after an exception inside a forward
-        (Ctrl-C, out of memory): an interrupted answer must not leave its tokens in the cache."""
+        (Ctrl-C, out of memory): an interrupted answer must not leave its tokens in the cache. Compressing while
+        decoding (``compress_every``) changes the context itself: the answer then runs on a copy of it."""
+        rolling = None if self.compressor is None else self.compressor.rolling
+        saved = None if rolling is None or rolling.every is None else (copy.deepcopy(self.cache), rolling.saved())
         try:
             with torch.no_grad():
                 start = time.perf_counter()
@@ -374,7 +394,12 @@ class ContextSession:
                     logits = self._forward(token[:, None], full_mask)
                     elapsed = time.perf_counter() - tick
         finally:
-            self.rewind()
+            if saved is None:
+                self.rewind()
+            else:
+                self.cache = saved[0]
+                rolling.restore(saved[1])
+                self.mask_with_pending = self.mask
 
     def _padding_reaches_a_window(self, question_mask: torch.Tensor, max_new_tokens: int) -> bool:
         """Whether a padded question (rows of different lengths, mask (b, q)) would put padding inside the window of a
@@ -422,6 +447,7 @@ class ContextSession:
         """A session over a copy of the context's ``rows`` (g,): its cache, mask and last logits."""
         part = ContextSession.__new__(ContextSession)
         part.model, part.compressor, part.context_length = self.model, self.compressor, self.context_length
+        part.chunk_size = self.chunk_size
         part.cache = copy.deepcopy(self.cache)
         part.cache.batch_select_indices(rows)
         part.mask = part.mask_with_pending = self.mask[rows]
@@ -467,16 +493,31 @@ class ContextSession:
         return [layer for layer in self.cache.layers if layer.is_initialized and layer.keys is not None]
 
     # --- internals ---------------------------------------------------------------------------------------------
+    @contextmanager
+    def _installed(self) -> Iterator[None]:
+        """The compressor installed for the block (a full session: refused inside another block, whose hooks would
+        replace or compress its cache)."""
+        if self.compressor is None:
+            refuse_nesting(self.model)
+            yield
+            return
+        self.compressor.install()
+        try:
+            yield
+        finally:
+            self.compressor.uninstall()
+
+    def _forward_in_chunks(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Prefill input_ids (b, t) with their mask (b, t) ``chunk_size`` tokens at a time; last logits."""
+        self.mask_with_pending = mask
+        rolling = None if self.compressor is None else self.compressor.rolling
+        with self._installed():
+            out = prefill_in_chunks(self.model, input_ids, mask, self.cache, self.chunk_size, rolling)
+        return out.logits[:, -1, :].float()
+
     def _forward(self, input_ids: torch.Tensor, full_mask: torch.Tensor) -> torch.Tensor:
         """Run new tokens (b, q) given the logical mask of everything so far (b, seen + q); last logits."""
         self.mask_with_pending = full_mask
-        if self.compressor is not None:
-            self.compressor.install()
-        else:  # a full session inside another block: that block's hooks would replace or compress its cache
-            refuse_nesting(self.model)
-        try:
+        with self._installed():
             out = forward_on_cache(self.model, input_ids, full_mask, self.cache)
-        finally:
-            if self.compressor is not None:
-                self.compressor.uninstall()
         return out.logits[:, -1, :].float()

@@ -134,7 +134,8 @@ def window_logits(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def window_attention(view: LayerView, window: int) -> torch.Tensor:
     """Softmax attention of the last ``window`` queries over all keys, float32: (b, h_kv, G, w, t).
 
-    Causal inside the window, padding keys masked, computed per KV head without repeating the keys; with the
+    Causal inside the window, padding keys masked (and a head's own padding, ``LayerView.held``), computed per KV
+    head without repeating the keys; with the
     model's soft cap and attention sinks where it has them (``criticalkv.logits``).
     """
     b, h_kv, t, d = view.keys.shape
@@ -156,6 +157,8 @@ def window_attention(view: LayerView, window: int) -> torch.Tensor:
     logits[..., t - w :].masked_fill_(ahead, float("-inf"))
     if view.padded:
         logits.masked_fill_(~view.valid[:, None, None, None, :], float("-inf"))
+    if view.held is not None:  # heads holding different entries: each reads its own
+        logits.masked_fill_(~view.held[:, :, None, None, :], float("-inf"))
     sinks = attention_sinks(view.module)  # gpt-oss: (h_q,) logits sharing each softmax's denominator
     if sinks is not None:
         return softmax_with_sinks_(logits, sinks.float().view(1, h_kv, g, 1, 1))

@@ -1,0 +1,65 @@
+"""The bounded-memory options of the commands (``run`` and the ``eval`` sweeps): chunked prefill with a cap, and
+compression while decoding (``criticalkv.compress(..., chunk_size=, cap=, compress_every=)``)."""
+
+from __future__ import annotations
+
+from typing import Annotated, NamedTuple
+
+import typer
+
+from criticalkv.budget import Budget
+from criticalkv.errors import BoundedMemoryError
+
+ChunkSizeOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Prefill the prompt this many tokens at a time, compressing every layer back to the cap after each "
+        "chunk (bounded memory; docs/guide.md)."
+    ),
+]
+CapOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Entries per KV head kept by every compression of a chunked prefill or of decoding; replaces the "
+        "budget (without it, an entry-count budget is the cap)."
+    ),
+]
+CompressEveryOption = Annotated[
+    int | None,
+    typer.Option(help="While answering, compress back to the cap every this many generated tokens."),
+]
+
+
+class Bounded(NamedTuple):
+    """The three options as given (None: not given); unpacks as ``bounded_compressor``'s arguments."""
+
+    chunk_size: int | None = None
+    cap: int | None = None
+    compress_every: int | None = None
+
+    @property
+    def options(self) -> dict[str, int]:
+        """The given options, as keyword arguments of ``ContextSession``."""
+        return {name: value for name, value in self._asdict().items() if value is not None}
+
+    def budgets(self, budgets: list[Budget]) -> list[Budget]:
+        """A sweep's budgets: ``[Budget(cap)]`` when a cap is given (a sweep names its pairs by budget, so the cap
+        is the one budget; any other budget given with it is refused), else ``budgets``, which must then be counts when
+        a chunk size or a decoding interval is given."""
+        if self.cap is None:
+            if (self.chunk_size or self.compress_every) and any(
+                b.is_fraction and not b.keeps_everything for b in budgets
+            ):
+                raise BoundedMemoryError(
+                    "--chunk-size and --compress-every compress to an entry count per KV head: give --cap, or "
+                    "--budgets as counts (1024), not fractions of a prompt no chunk holds whole"
+                )
+            return budgets
+        if any(b != Budget(self.cap) for b in budgets if b != Budget(0.2)):
+            raise BoundedMemoryError("--cap is the sweep's one budget: give it alone, or give --budgets as counts")
+        return [Budget(self.cap)]
+
+    @property
+    def setting(self) -> dict[str, dict[str, int]]:
+        """``{"bounded": options}`` for a JSON report or a sweep's settings, or nothing when none is given."""
+        return {"bounded": self.options} if self.options else {}

@@ -1,0 +1,111 @@
+"""Chunked prefill: the prompt goes through the model ``chunk_size`` tokens at a time, and (with a compressor) every
+layer's cache is compressed back to the cap after each chunk, so memory stays bounded whatever the prompt's length.
+
+``rolling_budget`` reads the options of ``criticalkv.compress(..., chunk_size=, cap=, compress_every=)`` and of a
+``ContextSession``; ``prefill_in_chunks`` runs the chunks; ``generate_in_chunks`` is what the model's ``generate``
+does inside such a block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.utils import ModelOutput
+
+from criticalkv.budget import Budget
+from criticalkv.core.positions import forward_on_cache
+from criticalkv.errors import BoundedMemoryError
+from criticalkv.runtime.compressor import Compressor
+from criticalkv.runtime.rolling import Rolling
+
+
+def rolling_budget(
+    method: object,
+    budget: Budget | float | int | str,
+    chunk_size: int | None,
+    cap: int | None,
+    compress_every: int | None,
+) -> tuple[Budget, Rolling | None]:
+    """The budget and the compression schedule of a call with these options (None: compress as usual, or not at
+    all for ``method`` ``"full"``).
+
+    Without ``chunk_size`` and ``compress_every`` nothing changes (``cap`` alone is refused). With either, ``cap``
+    (entries per KV head) is every compression's budget (a fraction ``budget``, such as the default, is not read; an
+    entry count other than the cap is refused); without ``cap`` an entry-count budget serves as the cap,
+    ``1.0`` compresses nothing (the prompt is still prefilled in chunks), and a fraction is refused: a fraction of
+    a prompt that no chunk sees whole.
+    """
+    budget = Budget.parse(budget)
+    if chunk_size is None and compress_every is None:
+        if cap is not None:
+            raise BoundedMemoryError("cap applies with chunk_size or compress_every; alone, give budget=cap")
+        return budget, None
+    if method == "full":
+        return budget, None
+    if cap is not None and not budget.is_fraction and budget.value != cap:
+        raise BoundedMemoryError(f"budget {budget} and cap={cap} both count entries per head: give one")
+    if cap is None:
+        if budget.keeps_everything:
+            return budget, None
+        if budget.is_fraction:
+            raise BoundedMemoryError(
+                f"budget {budget} is a fraction of the prompt, which a chunked prefill or a long generation never "
+                "holds whole: give cap=K (entries per KV head)"
+            )
+        cap = int(budget.value)
+    rolling = Rolling(cap, chunk_size, compress_every)
+    return rolling.budget, rolling
+
+
+def prefill_in_chunks(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    cache: Cache,
+    chunk_size: int,
+    rolling: Rolling | None = None,
+) -> ModelOutput:
+    """Forward input_ids (b, t) after ``cache`` (empty or not), ``attention_mask`` (b, seen + t), ``chunk_size``
+    tokens at a time; ``rolling`` (the installed compressor's): compress after each chunk. Returns the last
+    chunk's output (the logits of the last position)."""
+    t = input_ids.shape[1]
+    seen = attention_mask.shape[1] - t
+    out = None
+    for start in range(0, t, chunk_size):
+        end = min(start + chunk_size, t)
+        if rolling is not None:
+            rolling.prefilling = True
+        try:
+            out = forward_on_cache(model, input_ids[:, start:end], attention_mask[:, : seen + end], cache)
+        finally:
+            if rolling is not None:
+                rolling.prefilling = False
+    return out
+
+
+def generate_in_chunks(compressor: Compressor, generate: Callable, args: tuple, kwargs: dict, config: object):
+    """The model's ``generate`` inside a block with a bounded-memory schedule: with ``chunk_size``, the prompt but
+    its last token prefilled in chunks into a compressed cache, then ``generate`` continues from that cache (its
+    first step reads the last token). Beam search with ``compress_every`` is refused: the beams reorder the cache,
+    not the window's remembered queries."""
+    rolling = compressor.rolling
+    if rolling.every is not None and (kwargs.get("num_beams") or getattr(config, "num_beams", 1) or 1) > 1:
+        raise BoundedMemoryError("beam search cannot compress while decoding (compress_every): use greedy or sampling")
+    if rolling.chunk_size is None:
+        return generate(*args, **kwargs)
+    kwargs = dict(kwargs)
+    if "input_ids" in kwargs:
+        ids = kwargs.pop("input_ids")
+    else:  # generate's first parameter, ``inputs``, or none (embeddings)
+        ids, args = (args[0], args[1:]) if args else (None, args)
+    if not isinstance(ids, torch.Tensor) or kwargs.get("cache", kwargs.get("past_key_values")) is not None:
+        return generate(ids, *args, **kwargs)  # embeddings, or a cache to continue: nothing to chunk
+    mask = kwargs.pop("attention_mask", None)
+    mask = torch.ones_like(ids) if mask is None else mask
+    cache = compressor.new_cache()
+    if ids.shape[1] > 1:
+        prefill_in_chunks(compressor.model, ids[:, :-1], mask[:, :-1], cache, rolling.chunk_size, rolling)
+    return generate(ids, *args, attention_mask=mask, cache=cache, **kwargs)  # ids: generate's first, ``inputs``

@@ -1,0 +1,134 @@
+"""Compression while decoding (``compress_every``) on tiny random models: every decode step equals full attention
+with the evicted entries masked out, the cache stays at the cap, an unreachable cap changes nothing bit for bit,
+and a session's context is the same for every question."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from bounded_reference import Tracker
+from test_runtime import _generate, _ids, _left_padded, _model
+from test_sweep import _score, _setup
+
+import criticalkv
+from criticalkv.budget import Budget
+from criticalkv.cache import CompressedLayer
+from criticalkv.eval.sweep import run_sweep
+from criticalkv.prompts import encode_prompt
+from criticalkv.runtime.session import ContextSession
+
+CAP, EVERY = 12, 4
+
+
+@pytest.mark.parametrize(
+    ("method", "padded", "chunk_size"),
+    [
+        ("critical-snapkv", False, None),
+        ("critical-snapkv", True, None),
+        ("critical-adakv", True, None),
+        ("pyramidkv", False, 16),
+        ("layer-defensive", True, 16),
+        ("streaming", True, None),
+    ],
+)
+def test_decoding_with_compression_equals_the_masked_dense_reference(method, padded, chunk_size, monkeypatch):
+    model = _model("llama")
+    if padded:
+        ids, mask = _left_padded([_ids(30, seed=1)[0], _ids(19, seed=2)[0]])
+    else:
+        ids, mask = _ids(30, seed=1), torch.ones(1, 30, dtype=torch.long)
+    options = {} if method == "streaming" else {"window": 4}
+    tracker = Tracker(model, monkeypatch)
+    try:
+        with criticalkv.compress(
+            model, method, cap=CAP, compress_every=EVERY, chunk_size=chunk_size, **options
+        ) as compressor:
+            _generate(model, ids, mask, n=14)
+    finally:
+        tracker.close()
+    assert compressor.rolling.every == EVERY
+    reference = tracker.replay(model)
+    for forward, want in zip(tracker.forwards, reference, strict=True):
+        assert (forward["logits"] - want).abs().max().item() < 1e-4
+    bound = (2 if method == "pyramidkv" else 1) * CAP * 2 * 2 + EVERY * 2 * 2  # rows' entries over layers and heads
+    for index in range(1, len(tracker.forwards)):
+        held = tracker.held(index)
+        total = sum(h.sum(-1).sum(-1) for h in held.values())  # (b,)
+        assert bool((total <= bound).all()), index
+        for h in held.values():  # the newest tokens are kept in every head
+            assert bool(h[..., -min(EVERY, 4) :].all())
+
+
+def test_an_unreachable_cap_while_decoding_is_the_uncompressed_model_bit_for_bit():
+    model = _model("llama")
+    ids, mask = _left_padded([_ids(30, seed=3)[0], _ids(21, seed=4)[0]])
+    tokens, logits = _generate(model, ids, mask, n=10)
+    with criticalkv.compress(model, "critical-adakv", cap=1000, compress_every=3, window=4):
+        capped_tokens, capped_logits = _generate(model, ids, mask, n=10)
+    assert torch.equal(tokens, capped_tokens) and torch.equal(logits, capped_logits)
+    full = ContextSession(model, "full")
+    capped = ContextSession(model, "critical-snapkv", cap=1000, compress_every=3, window=4)
+    full.prefill(ids, mask)
+    capped.prefill(ids, mask)
+    question = _ids(3, seed=5).expand(2, -1)
+    assert torch.equal(full.ask(question, 9).tokens, capped.ask(question, 9).tokens)
+
+
+def test_a_session_holds_the_cap_while_answering_and_keeps_its_context():
+    model = _model("llama")
+    session = ContextSession(model, "critical-snapkv", cap=CAP, compress_every=EVERY, window=4)
+    session.prefill(_ids(40, seed=6))
+    before = session.kv_bytes()
+    question = _ids(3, seed=7)
+    first = session.ask(question, 20).tokens
+    steps = session.stream(question, 20)
+    sizes = []
+    for _ in steps:
+        layers = [layer for layer in session.cache.layers if isinstance(layer, CompressedLayer)]
+        sizes.append(max(int(layer.lengths.max()) + layer.tail for layer in layers))
+    assert max(sizes) <= CAP + EVERY and len(sizes) == 20
+    assert session.kv_bytes() == before  # the context is back, as after the prefill
+    assert torch.equal(session.ask(question, 20).tokens, first)
+
+
+def test_a_sweep_with_bounded_options_answers_as_separate_bounded_sessions(tmp_path, tiny_tokenizer):
+    model, samples = _setup(tiny_tokenizer)
+    bounded = {"chunk_size": 64, "compress_every": 4}
+    rows = run_sweep(
+        model,
+        tiny_tokenizer,
+        samples[:1],
+        _score,
+        methods=["critical-snapkv"],
+        budgets=[Budget(24)],
+        regime="agnostic",
+        out_dir=tmp_path,
+        max_new_tokens=lambda s: 6,
+        bounded=bounded,
+        settings={"bounded": bounded},
+    )
+    sample = samples[0]
+    prefix_ids, suffix_ids = encode_prompt(tiny_tokenizer, sample.context, sample.question, sample.answer_prefix)
+    for row in rows:
+        session = ContextSession(model, row.method, row.budget, **bounded)
+        session.prefill(torch.tensor([prefix_ids]))
+        tokens = session.ask(torch.tensor([suffix_ids]), max_new_tokens=6, eos_token_id=tiny_tokenizer.eos_token_id)
+        assert tiny_tokenizer.decode(tokens.tokens[0], skip_special_tokens=True).strip() == row.prediction
+    assert rows[1].kept_fraction < 0.2  # 24 entries per head of a prompt of more than 200 tokens
+
+
+def test_stacked_sessions_compress_while_answering_once_they_saw_a_window():
+    model = _model("llama")
+    ids = _ids(30, seed=9)
+    sessions = []
+    for method in ("critical-snapkv", "snapkv"):
+        session = ContextSession(model, method, cap=CAP, compress_every=EVERY, window=8)  # a window > EVERY
+        session.prefill(ids)
+        sessions.append(session)
+    stacked = ContextSession.stacked(sessions)
+    question = _ids(2, seed=10).expand(2, -1)
+    steps = []
+    for _ in stacked.stream(question, 12):
+        layers = [layer for layer in stacked.cache.layers if isinstance(layer, CompressedLayer)]
+        steps.append(max(int(layer.lengths.max()) + layer.tail for layer in layers))
+    assert len(steps) == 12 and steps[-1] <= CAP + EVERY  # compressed once the stacked rows saw a window
