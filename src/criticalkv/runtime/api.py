@@ -11,7 +11,7 @@ from criticalkv.budget import Budget
 from criticalkv.errors import MethodOptionError
 from criticalkv.methods import build_method
 from criticalkv.runtime.checks import check_compressible, refuse_nesting
-from criticalkv.runtime.chunked import rolling_budget
+from criticalkv.runtime.chunked import generate_in_chunks, rolling_budget
 from criticalkv.runtime.compressor import Compressor
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.rolling import check_rolling_method
@@ -59,6 +59,7 @@ def bounded_compressor(
     compressor = make_compressor(model, method, budget, **options)
     if compressor is not None:
         compressor.rolling = rolling
+        compressor.generate_with = generate_in_chunks
     return compressor
 
 

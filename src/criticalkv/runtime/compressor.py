@@ -91,6 +91,9 @@ class Compressor:
         self._state: dict = {}
         self.facts = PrefillFacts()  # of the forward running now: a new one with every forward
         self.rolling = None  # a ``runtime.rolling.Rolling``: compress again after each chunk / every N tokens
+        # how generate runs under a bounded-memory schedule (set with ``rolling`` by ``runtime.api``; the module that
+        # knows it sits above this one)
+        self.generate_with = None
 
     @property
     def active_cache(self) -> CompressedCache | None:
@@ -162,10 +165,10 @@ class Compressor:
                     "every step runs over the whole uncompressed sequence",
                     stacklevel=2,
                 )
-            if self.rolling is not None:  # compress(..., chunk_size=, compress_every=)
-                from criticalkv.runtime.chunked import generate_in_chunks
-
-                return generate_in_chunks(self, generate, args, kwargs, config)
+            if (
+                self.generate_with is not None
+            ):  # compress(..., chunk_size=, compress_every=): chunked.generate_in_chunks
+                return self.generate_with(self, generate, args, kwargs, config)
             return generate(*args, **kwargs)
 
         self.model.generate = guarded
