@@ -6,11 +6,11 @@ door of the chart room on deck 4 unlocks with the combination 48213."), are inse
 question paraphrases the fact instead of quoting it. The prompt is sized to a token length as RULER's
 (``criticalkv.eval.synthetic``), and context and question are stored apart for both regimes.
 
-Tasks: ``fact_single`` (one fact), ``fact_distractors`` (the fact among 7 of the same kind about other rooms),
-``fact_pair`` (two facts about one person, asked together), ``fact_hop`` (who works where, and that room's code:
-ask the person's code; a second person and room as distractor), ``fact_list`` (six people and the languages they
-speak: name the three who speak one). Scored as RULER's ``all`` (the share of the answers found, case-insensitive),
-except that an answer naming a distractor's value or name (``decoys``) scores 0.
+Tasks: ``fact_single`` (one fact), ``fact_distractors`` (the fact among 4 of the same kind about other rooms),
+``fact_pair`` (two facts about one person, asked together), ``fact_hop`` (who works in which room, and that room's
+code, in two facts: ask for the person's room and its code), ``fact_list`` (three people who speak one language,
+scattered: name them all). Scored as RULER's ``all`` (the share of the answers found, case-insensitive), except that an
+answer naming a distractor's code (``decoys``) scores 0.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ TOKENS_TO_GENERATE: dict[str, int] = {
 }
 
 _PREAMBLE = "Read the document below. Afterwards you will answer a question about something it says."
-_ANSWER_PREFIX = "Answer:"
 _PROSE_MIN_CHARS = 80
 
 _ROOMS = (
@@ -88,10 +87,11 @@ _CODE_FACTS = (
     "Anyone who types {value} on the keypad can enter the {place}.",
     "The door of the {place} unlocks with the combination {value}.",
 )
+# (question, answer prefix): the prefix restates the question, as RULER's does, in other words than the fact's
 _CODE_QUESTIONS = (
-    "Which number unlocks the {place}?",
-    "What do you have to type on the keypad to get into the {place}?",
-    "What is the entry code of the {place}?",
+    ("Which number unlocks the {place}?", "The number that unlocks the {place} is"),
+    ("What do you have to type on the keypad to get into the {place}?", "To get into the {place}, type"),
+    ("What is the entry code of the {place}?", "The entry code of the {place} is"),
 )
 _KEEPS_FACTS = (
     "{person} keeps the {item} in the {container}.",
@@ -104,26 +104,27 @@ _EXTENSION_FACTS = (
     "The desk phone of {person} has the extension number {value}.",
 )
 _PAIR_QUESTIONS = (
-    "Where does {person} keep the {item}, and which extension reaches {person} by phone?",
-    "In what container is the {item} of {person}, and what extension do you dial to call {person}?",
+    ("Where does {person} keep the {item}, and which extension reaches {person} by phone?", "Answer:"),
+    ("In what container is the {item} of {person}, and what extension do you dial to call {person}?", "Answer:"),
 )
 _WORKS_FACTS = (
     "{person} works in the {place}.",
     "The {place} is where {person} spends every working day.",
     "{person} has a desk in the {place}.",
 )
-_HOP_QUESTIONS = (
-    "Which code opens the room where {person} works?",
-    "{person} wants to get into the room of their daily work: what number must be typed on its keypad?",
+_HOP_QUESTIONS = (  # both hops asked: the room, then its code
+    ("In which room does {person} work, and which code opens that room?", "Answer:"),
+    ("Where does {person} work, and what number opens the door there?", "Answer:"),
 )
+
 _SPEAKS_FACTS = (
     "{person} speaks {language}.",
     "{person} grew up speaking {language} at home.",
     "{person} is fluent in {language}.",
 )
 _LIST_QUESTIONS = (
-    "Who in the document can speak {language}? Name every such person.",
-    "List all the people mentioned in the document who know {language}.",
+    ("Who in the document can speak {language}? Name every such person.", "The people who speak {language} are"),
+    ("List all the people mentioned in the document who know {language}.", "The people who know {language} are"),
 )
 
 
@@ -133,7 +134,7 @@ class FactSample:
 
     The prompt is ``encode_prompt(tokenizer, context, question, answer_prefix)``: ``context`` holds a short
     instruction and the haystack with the facts, ``question`` the query. ``answers`` must all occur in the answer
-    (case-insensitive); an answer with any of ``decoys`` (the distractors' values or names) scores 0.
+    (case-insensitive); an answer with any of ``decoys`` (the distractors' codes) scores 0.
     ``context_tokens`` counts ``context`` alone and ``prompt_tokens`` the whole templated prompt.
     """
 
@@ -153,6 +154,7 @@ class FactSample:
 class _Facts:
     facts: list[str]
     question: str
+    answer_prefix: str
     answers: list[str]
     decoys: list[str]
 
@@ -204,11 +206,8 @@ def _people(draw: random.Random, n: int) -> list[tuple[str, str]]:
 
 
 def _places(draw: random.Random, n: int) -> list[str]:
-    """``n`` distinct rooms; a few share a room name or a deck, so the facts about them look alike."""
-    rooms = draw.sample(_ROOMS, max(2, math.ceil(n / 2)))
-    decks = draw.sample(range(1, 13), max(2, math.ceil(n / 2)))
-    pairs = draw.sample([(r, d) for r in rooms for d in decks], n)
-    return [f"{room} on deck {deck}" for room, deck in pairs]
+    """``n`` rooms, each of another name and on another deck."""
+    return [f"{room} on deck {deck}" for room, deck in zip(draw.sample(_ROOMS, n), draw.sample(range(1, 13), n))]
 
 
 def _codes(draw: random.Random, n: int) -> list[str]:
@@ -219,8 +218,8 @@ def _single(draw: random.Random, distractors: int = 0) -> _Facts:
     places = _places(draw, 1 + distractors)
     codes = _codes(draw, len(places))
     facts = [draw.choice(_CODE_FACTS).format(place=p, value=c) for p, c in zip(places, codes)]
-    question = draw.choice(_CODE_QUESTIONS).format(place=places[0])
-    return _Facts(facts, question, [codes[0]], codes[1:])
+    question, prefix = (text.format(place=places[0]) for text in draw.choice(_CODE_QUESTIONS))
+    return _Facts(facts, question, prefix, [codes[0]], codes[1:])
 
 
 def _pair(draw: random.Random) -> _Facts:
@@ -230,33 +229,31 @@ def _pair(draw: random.Random) -> _Facts:
         draw.choice(_KEEPS_FACTS).format(person=person, item=item, container=container),
         draw.choice(_EXTENSION_FACTS).format(person=person, value=extension),
     ]
-    question = draw.choice(_PAIR_QUESTIONS).format(person=person, item=item)
-    return _Facts(facts, question, [container, extension], [])
+    question, prefix = (text.format(person=person, item=item) for text in draw.choice(_PAIR_QUESTIONS))
+    return _Facts(facts, question, prefix, [container, extension], [])
 
 
 def _hop(draw: random.Random) -> _Facts:
-    people = [name for name, _ in _people(draw, 2)]
-    places = _places(draw, 2)
-    codes = _codes(draw, 2)
-    facts = [draw.choice(_WORKS_FACTS).format(person=who, place=where) for who, where in zip(people, places)]
-    facts += [draw.choice(_CODE_FACTS).format(place=where, value=code) for where, code in zip(places, codes)]
-    question = draw.choice(_HOP_QUESTIONS).format(person=people[0])
-    return _Facts(facts, question, [codes[0]], [codes[1]])
+    (person, _), place, code = _people(draw, 1)[0], _places(draw, 1)[0], _codes(draw, 1)[0]
+    facts = [
+        draw.choice(_WORKS_FACTS).format(person=person, place=place),
+        draw.choice(_CODE_FACTS).format(place=place, value=code),
+    ]
+    question, prefix = (text.format(person=person) for text in draw.choice(_HOP_QUESTIONS))
+    return _Facts(facts, question, prefix, [place, code], [])
 
 
-def _list(draw: random.Random, n_speakers: int = 3, n_others: int = 3) -> _Facts:
-    people = _people(draw, n_speakers + n_others)
-    language, *others = draw.sample(_LANGUAGES, 1 + n_others)
-    languages = [language] * n_speakers + others
-    facts = [draw.choice(_SPEAKS_FACTS).format(person=p, language=lang) for (p, _), lang in zip(people, languages)]
-    question = draw.choice(_LIST_QUESTIONS).format(language=language)
-    surnames = [surname for _, surname in people]
-    return _Facts(facts, question, surnames[:n_speakers], surnames[n_speakers:])
+def _list(draw: random.Random, n_speakers: int = 3) -> _Facts:
+    people = _people(draw, n_speakers)
+    language = draw.choice(_LANGUAGES)
+    facts = [draw.choice(_SPEAKS_FACTS).format(person=p, language=language) for p, _ in people]
+    question, prefix = (text.format(language=language) for text in draw.choice(_LIST_QUESTIONS))
+    return _Facts(facts, question, prefix, [surname for _, surname in people], [])
 
 
 _TASK_FACTS: dict[str, Callable[[random.Random], _Facts]] = {
     "fact_single": _single,
-    "fact_distractors": partial(_single, distractors=7),
+    "fact_distractors": partial(_single, distractors=4),
     "fact_pair": _pair,
     "fact_hop": _hop,
     "fact_list": _list,
@@ -273,7 +270,7 @@ def _builder(measure: Measure, rng: Callable[[str], random.Random], task: str) -
 
     def build(n_tokens: int) -> Draft:
         context = f"{_PREAMBLE}\n\n{insert_at_depths(prefix(n_tokens), facts, depths)}"
-        return Draft(context, chosen.question, _ANSWER_PREFIX, list(chosen.answers))
+        return Draft(context, chosen.question, chosen.answer_prefix, list(chosen.answers))
 
     return Builder(build, 0, 1.0), chosen
 
