@@ -103,3 +103,13 @@ def test_eval_facts_sweeps_index_major_and_reports(tmp_path, tiny_tokenizer) -> 
     assert settings["benchmark"] == "facts" and settings["haystack"] == facts.haystack_id()
     assert "Facts-400" in (out / "report.md").read_text()
     assert CliRunner().invoke(app, ["report", str(out)]).exit_code == 0
+
+
+def test_eval_facts_refuses_bad_input_before_loading() -> None:
+    for args, message in (
+        (["--tasks", "fact_single,fact_nope"], "unknown facts task(s) ['fact_nope']"),
+        (["--samples", "0"], "--samples must be >= 1, got 0"),
+        (["--mode", "both"], "--mode must be 'agnostic' or 'aware'"),
+    ):
+        result = CliRunner().invoke(app, ["eval", "facts", "--model", "/nonexistent", *args])
+        assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
