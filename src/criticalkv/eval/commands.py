@@ -302,6 +302,9 @@ def facts(
     batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = False,
     dtype: DtypeOption = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
+    chunk_size: ChunkSizeOption = None,
+    cap: CapOption = None,
+    compress_every: CompressEveryOption = None,
 ) -> None:
     """The facts benchmark (RULER's check on other text and phrasing): every method and budget against the full
     cache, with compression loss."""
@@ -318,7 +321,8 @@ def facts(
                 f"unknown facts task(s) {unknown}.{did_you_mean(unknown[0], facts_data.TASKS)} "
                 f"Tasks: {', '.join(facts_data.TASKS)}"
             )
-        parsed = _budgets(budgets)
+        bounded = Bounded(chunk_size, cap, compress_every)
+        parsed = bounded.budgets(_budgets(budgets))
         names, built = _methods(methods)
         regime = regime_of(mode, question_aware)
         if launch.is_main_process():
@@ -352,7 +356,9 @@ def facts(
                 budget_of,
                 total=len(chosen) * samples,
                 batch_answers=batch_answers,
+                bounded=bounded.options,
                 settings={
+                    **bounded.setting,
                     "benchmark": "facts",
                     "model": model,
                     "length": length,
