@@ -1,5 +1,5 @@
-"""``criticalkv eval ruler``, ``eval needle`` and ``eval longbench``: sweeps over methods and budgets, one prefill per
-sample."""
+"""``criticalkv eval ruler``, ``eval facts``, ``eval needle`` and ``eval longbench``: sweeps over methods and budgets,
+one prefill per sample."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # needle_grid pulls matplotlib: imported by the command only
     from criticalkv.runtime.method import Method
 
 app = typer.Typer(
-    help="Benchmarks: RULER and needle-in-a-haystack, generated offline; LongBench from local files.",
+    help="Benchmarks: RULER, facts and needle-in-a-haystack, generated offline; LongBench from local files.",
     no_args_is_help=True,
 )
 console = output_console()
@@ -277,6 +277,94 @@ def ruler(
                     "seed": seed,
                     "max_new_tokens": max_new_tokens,
                     **({"reserve_answer": True} if reserve_answer else {}),  # absent: the folders made before it
+                    **_dtype_setting(folder, loaded, dtype),
+                },
+            )
+    except CriticalKVError as error:
+        _fail(error)
+    if launch.is_main_process():
+        console.print(f"wrote {write_report(folder)}")
+
+
+@app.command()
+def facts(
+    model: ModelOption = DEFAULT_PRESET,
+    methods: MethodsOption = "snapkv,critical-snapkv",
+    budgets: BudgetsOption = "0.2",
+    tasks: Annotated[str, typer.Option(help="Comma-separated facts tasks (default: all 5).")] = "",
+    length: Annotated[int, typer.Option(help="Prompt length in the model's tokens.")] = 4096,
+    samples: Annotated[int, typer.Option(help="Samples per task.")] = 20,
+    mode: ModeOption = None,
+    question_aware: QuestionAwareOption = False,
+    max_new_tokens: Annotated[int, typer.Option(help="Cap on generated tokens (0: the task's own).")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the generated samples.")] = 0,
+    out: Annotated[Path | None, typer.Option(help="Results folder (resumes if it has results).")] = None,
+    batch_answers: Annotated[bool, typer.Option(help=_BATCH_HELP)] = False,
+    dtype: DtypeOption = "auto",
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
+    chunk_size: ChunkSizeOption = None,
+    cap: CapOption = None,
+    compress_every: CompressEveryOption = None,
+) -> None:
+    """The facts benchmark (RULER's check on other text and phrasing): every method and budget against the full
+    cache, with compression loss."""
+    from criticalkv.eval import facts as facts_data
+
+    try:
+        at_least(samples, 1, "--samples")
+        at_least(length, 1, "--length")
+        at_least(max_new_tokens, 0, "--max-new-tokens")
+        chosen = split_items(tasks, "--tasks") or list(facts_data.TASKS)
+        unknown = [t for t in chosen if t not in facts_data.TASKS]
+        if unknown:
+            raise CriticalKVError(
+                f"unknown facts task(s) {unknown}.{did_you_mean(unknown[0], facts_data.TASKS)} "
+                f"Tasks: {', '.join(facts_data.TASKS)}"
+            )
+        bounded = Bounded(chunk_size, cap, compress_every)
+        parsed = bounded.budgets(_budgets(budgets))
+        names, built = _methods(methods)
+        regime = regime_of(mode, question_aware)
+        if launch.is_main_process():
+            console.print(regime_line(regime))
+        folder = out or Path("results") / f"facts-{Path(model).name}-{length}-{regime}"
+        check_out_folder(folder)
+        every: list = []
+
+        def prepare(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+            max_length = check_length(config, length)
+            with console.status(f"generating {samples} samples of {len(chosen)} task(s)"):  # a task too short fails
+                for task in chosen:
+                    every.extend(
+                        facts_data.generate(task, tokenizer, length, samples, seed=seed, max_length=max_length)
+                    )
+            every.sort(key=lambda sample: sample.index)  # index-major, as eval ruler: a stopped sweep has every task
+
+        loaded, tokenizer = _load(model, dtype, device, built, prepare)
+
+        budget_of = _capped(lambda sample: facts_data.TOKENS_TO_GENERATE[sample.task], max_new_tokens)
+        with _resume_hint(folder):
+            run_sweep(
+                loaded,
+                tokenizer,
+                every,
+                facts_data.score,
+                names,
+                parsed,
+                regime,
+                folder,
+                budget_of,
+                total=len(chosen) * samples,
+                batch_answers=batch_answers,
+                bounded=bounded.options,
+                settings={
+                    **bounded.setting,
+                    "benchmark": "facts",
+                    "model": model,
+                    "length": length,
+                    "seed": seed,
+                    "haystack": facts_data.haystack_id(),  # pydoc_data of another Python makes other samples
+                    "max_new_tokens": max_new_tokens,
                     **_dtype_setting(folder, loaded, dtype),
                 },
             )

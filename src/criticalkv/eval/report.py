@@ -107,6 +107,7 @@ def sweep_title(settings: dict | None, regimes: set[str]) -> str:
     benchmark = settings.get("benchmark")
     heads = {
         "ruler": f"RULER-{settings.get('length')}",
+        "facts": f"Facts-{settings.get('length')}",
         "longbench": f"LongBench (max length {settings.get('max_length')})",
     }
     head = heads.get(benchmark, str(benchmark))

