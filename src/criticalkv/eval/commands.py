@@ -213,77 +213,38 @@ def ruler(
     """RULER's 13 tasks: every method and budget against the full cache, with compression loss."""
     from criticalkv.eval import ruler as ruler_data
 
-    try:
-        at_least(samples, 1, "--samples")
-        at_least(length, 1, "--length")
-        at_least(max_new_tokens, 0, "--max-new-tokens")
-        chosen = split_items(tasks, "--tasks") or list(ruler_data.TASKS)
-        unknown = [t for t in chosen if t not in ruler_data.TASKS]
-        if unknown:
-            raise CriticalKVError(
-                f"unknown RULER task(s) {unknown}.{did_you_mean(unknown[0], ruler_data.TASKS)} "
-                f"Tasks: {', '.join(ruler_data.TASKS)}"
-            )
-        bounded = Bounded(chunk_size, cap, compress_every)
-        parsed = bounded.budgets(_budgets(budgets))
-        names, built = _methods(methods)
-        regime = regime_of(mode, question_aware)
-        if launch.is_main_process():
-            console.print(regime_line(regime))
-        folder = out or Path("results") / f"ruler-{Path(model).name}-{length}-{regime}"
-        check_out_folder(folder)
-        every: list = []
+    def generate(task: str, tokenizer: PreTrainedTokenizerBase, max_length: int | None) -> list:
+        return ruler_data.generate(
+            task, tokenizer, length, samples, seed=seed, max_length=max_length, reserve_answer=reserve_answer
+        )
 
-        def prepare(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-            max_length = check_length(config, length)
-            with console.status(f"generating {samples} samples of {len(chosen)} task(s)"):  # a task too short fails
-                for task in chosen:
-                    every.extend(
-                        ruler_data.generate(
-                            task,
-                            tokenizer,
-                            length,
-                            samples,
-                            seed=seed,
-                            max_length=max_length,
-                            reserve_answer=reserve_answer,
-                        )
-                    )
-            # index-major: sample 0 of every task, then sample 1, ...: a sweep stopped early has every task evenly
-            every.sort(key=lambda sample: sample.index)  # stable: the tasks keep their order within an index
-
-        loaded, tokenizer = _load(model, dtype, device, built, prepare)
-
-        budget_of = _capped(lambda sample: ruler_data.TOKENS_TO_GENERATE[sample.task], max_new_tokens)
-        with _resume_hint(folder):
-            run_sweep(
-                loaded,
-                tokenizer,
-                every,
-                ruler_data.score,
-                names,
-                parsed,
-                regime,
-                folder,
-                budget_of,
-                total=len(chosen) * samples,
-                batch_answers=batch_answers,
-                bounded=bounded.options,
-                settings={
-                    **bounded.setting,
-                    "benchmark": "ruler",
-                    "model": model,
-                    "length": length,
-                    "seed": seed,
-                    "max_new_tokens": max_new_tokens,
-                    **({"reserve_answer": True} if reserve_answer else {}),  # absent: the folders made before it
-                    **_dtype_setting(folder, loaded, dtype),
-                },
-            )
-    except CriticalKVError as error:
-        _fail(error)
-    if launch.is_main_process():
-        console.print(f"wrote {write_report(folder)}")
+    benchmark = _Generated(
+        "ruler",
+        "RULER",
+        ruler_data.TASKS,
+        generate,
+        ruler_data.score,
+        ruler_data.TOKENS_TO_GENERATE,
+        {"reserve_answer": True} if reserve_answer else {},  # absent: the folders made before it
+    )
+    _sweep_generated(
+        benchmark,
+        model,
+        methods,
+        budgets,
+        tasks,
+        length,
+        samples,
+        mode,
+        question_aware,
+        max_new_tokens,
+        seed,
+        out,
+        batch_answers,
+        dtype,
+        device,
+        (chunk_size, cap, compress_every),
+    )
 
 
 @app.command()
@@ -310,24 +271,89 @@ def facts(
     cache, with compression loss."""
     from criticalkv.eval import facts as facts_data
 
+    def generate(task: str, tokenizer: PreTrainedTokenizerBase, max_length: int | None) -> list:
+        return facts_data.generate(task, tokenizer, length, samples, seed=seed, max_length=max_length)
+
+    benchmark = _Generated(
+        "facts",
+        "facts",
+        facts_data.TASKS,
+        generate,
+        facts_data.score,
+        facts_data.TOKENS_TO_GENERATE,
+        {"haystack": facts_data.haystack_id()},  # pydoc_data of another Python makes other samples
+    )
+    _sweep_generated(
+        benchmark,
+        model,
+        methods,
+        budgets,
+        tasks,
+        length,
+        samples,
+        mode,
+        question_aware,
+        max_new_tokens,
+        seed,
+        out,
+        batch_answers,
+        dtype,
+        device,
+        (chunk_size, cap, compress_every),
+    )
+
+
+@dataclass
+class _Generated:
+    """A benchmark generated offline and swept alike by ``eval ruler`` and ``eval facts``."""
+
+    name: str  # its name in settings and folder names
+    title: str  # in messages
+    tasks: tuple[str, ...]
+    generate: Callable[[str, PreTrainedTokenizerBase, int | None], list]  # task, tokenizer, max length -> samples
+    score: Callable
+    tokens_to_generate: dict[str, int]
+    settings: dict  # what else makes its (task, index) the same sample across runs
+
+
+def _sweep_generated(
+    benchmark: _Generated,
+    model: str,
+    methods: str,
+    budgets: str,
+    tasks: str,
+    length: int,
+    samples: int,
+    mode: str | None,
+    question_aware: bool,
+    max_new_tokens: int,
+    seed: int,
+    out: Path | None,
+    batch_answers: bool,
+    dtype: str,
+    device: str,
+    bounded_options: tuple[int | None, int | None, int | None],  # chunk size, cap, compress every
+) -> None:
+    """Generate ``benchmark``'s samples once the tokenizer is known (index-major: sample 0 of every task, then sample
+    1, ...: a sweep stopped early has every task evenly), then sweep them into a resumable folder and report."""
     try:
         at_least(samples, 1, "--samples")
         at_least(length, 1, "--length")
         at_least(max_new_tokens, 0, "--max-new-tokens")
-        chosen = split_items(tasks, "--tasks") or list(facts_data.TASKS)
-        unknown = [t for t in chosen if t not in facts_data.TASKS]
+        chosen = split_items(tasks, "--tasks") or list(benchmark.tasks)
+        unknown = [t for t in chosen if t not in benchmark.tasks]
         if unknown:
             raise CriticalKVError(
-                f"unknown facts task(s) {unknown}.{did_you_mean(unknown[0], facts_data.TASKS)} "
-                f"Tasks: {', '.join(facts_data.TASKS)}"
+                f"unknown {benchmark.title} task(s) {unknown}.{did_you_mean(unknown[0], benchmark.tasks)} "
+                f"Tasks: {', '.join(benchmark.tasks)}"
             )
-        bounded = Bounded(chunk_size, cap, compress_every)
+        bounded = Bounded(*bounded_options)
         parsed = bounded.budgets(_budgets(budgets))
         names, built = _methods(methods)
         regime = regime_of(mode, question_aware)
         if launch.is_main_process():
             console.print(regime_line(regime))
-        folder = out or Path("results") / f"facts-{Path(model).name}-{length}-{regime}"
+        folder = out or Path("results") / f"{benchmark.name}-{Path(model).name}-{length}-{regime}"
         check_out_folder(folder)
         every: list = []
 
@@ -335,20 +361,17 @@ def facts(
             max_length = check_length(config, length)
             with console.status(f"generating {samples} samples of {len(chosen)} task(s)"):  # a task too short fails
                 for task in chosen:
-                    every.extend(
-                        facts_data.generate(task, tokenizer, length, samples, seed=seed, max_length=max_length)
-                    )
-            every.sort(key=lambda sample: sample.index)  # index-major, as eval ruler: a stopped sweep has every task
+                    every.extend(benchmark.generate(task, tokenizer, max_length))
+            every.sort(key=lambda sample: sample.index)  # stable: the tasks keep their order within an index
 
         loaded, tokenizer = _load(model, dtype, device, built, prepare)
-
-        budget_of = _capped(lambda sample: facts_data.TOKENS_TO_GENERATE[sample.task], max_new_tokens)
+        budget_of = _capped(lambda sample: benchmark.tokens_to_generate[sample.task], max_new_tokens)
         with _resume_hint(folder):
             run_sweep(
                 loaded,
                 tokenizer,
                 every,
-                facts_data.score,
+                benchmark.score,
                 names,
                 parsed,
                 regime,
@@ -359,12 +382,12 @@ def facts(
                 bounded=bounded.options,
                 settings={
                     **bounded.setting,
-                    "benchmark": "facts",
+                    "benchmark": benchmark.name,
                     "model": model,
                     "length": length,
                     "seed": seed,
-                    "haystack": facts_data.haystack_id(),  # pydoc_data of another Python makes other samples
                     "max_new_tokens": max_new_tokens,
+                    **benchmark.settings,
                     **_dtype_setting(folder, loaded, dtype),
                 },
             )

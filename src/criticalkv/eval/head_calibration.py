@@ -28,8 +28,8 @@ from criticalkv.allocators.head_profile import (
 )
 from criticalkv.errors import CriticalKVError
 from criticalkv.eval.needle import build_needle_sample
+from criticalkv.models import loading  # read at call time: a test that patches loading.load_model patches this
 from criticalkv.models.families import check_length
-from criticalkv.models.loading import load_model
 from criticalkv.progress import step_progress
 from criticalkv.prompts import chat_prompt_parts, encode_prompt_parts, text_token_span
 
@@ -187,7 +187,7 @@ def calibrate_preset(
     ``<name>-<8 hex digits>.json`` when that file holds the profile of another model of the same name.
     """
     longest = max(options.get("lengths", CALIBRATION_LENGTHS), default=0)
-    loaded, tokenizer = load_model(  # a length beyond the model's positions is refused before its weights load
+    loaded, tokenizer = loading.load_model(  # a length beyond the model's positions is refused before its weights load
         model, dtype=dtype, device=device, check_config=lambda config: check_length(config, longest, "--lengths")
     )
     label = model_label(loaded.config)  # the name load_profile looks for on this model
