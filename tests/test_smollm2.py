@@ -30,16 +30,16 @@ def _load(folder, dtype):
 
 
 def test_kv_bytes_are_kept_entries_at_4k(smollm2_folder, smollm2_tokenizer):
-    model = _load(smollm2_folder, torch.bfloat16)
+    model = _load(smollm2_folder, torch.float32)  # float32: about 3x faster than bfloat16 on CPUs that emulate it
     ids, _ = _prompt(smollm2_tokenizer, 4096)
     session = ContextSession(model, "critical-snapkv", 0.2)
     session.prefill(ids)
     kept = sum(int(r.kept.sum()) for r in session.compressor.records)
     assert kept == 30 * 3 * int(0.2 * ids.shape[1] + 1e-9)  # 30 layers x 3 KV heads x floor(0.2 t)
-    entry_bytes = kept * 2 * 64 * 2  # keys and values, head_dim 64, bfloat16
+    entry_bytes = kept * 2 * 64 * 4  # keys and values, head_dim 64, float32
     assert session.kv_entries() == kept
     assert entry_bytes <= session.kv_bytes() <= 1.01 * entry_bytes
-    assert session.kv_bytes() < 0.21 * ids.shape[1] * 30 * 3 * 2 * 64 * 2  # against the full cache
+    assert session.kv_bytes() < 0.21 * ids.shape[1] * 30 * 3 * 2 * 64 * 4  # against the full cache
 
 
 def test_adakv_decoding_equals_masked_dense_cache(smollm2_folder, smollm2_tokenizer, capture_decisions):
@@ -74,7 +74,7 @@ def test_the_main_job_asks_three_questions_of_one_question_agnostic_cache(tmp_pa
     question, and the three needles' questions are asked of that one cache (the same bytes and prefill for each)."""
     report = tmp_path / "run.json"
     args = ["run", "--context-tokens", "1024", "--max-new-tokens", "12", "--json", str(report)]
-    result = CliRunner().invoke(app, args)
+    result = CliRunner().invoke(app, [*args, "--dtype", "float32"])  # float32: faster where bfloat16 is emulated
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())
     assert data["mode"] == "question-agnostic"
