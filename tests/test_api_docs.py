@@ -3,11 +3,8 @@ what docs/make_api.py generates from the code today."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
-import inspect
-import json
 import re
 from pathlib import Path
 
@@ -31,50 +28,15 @@ MODULES = (
 HEADING = re.compile(r"^### `([\w.]+)`\n(?:\n```python\n(.*?)\n```)?", re.M | re.S)
 
 
-def resolve(dotted: str) -> object:
-    """The object a dotted name names, attributes first: ``criticalkv.analysis.capture`` is the function the
-    package exports, not the module of the same name."""
-    first, *rest = dotted.split(".")
-    obj, path = importlib.import_module(first), first
-    for name in rest:
-        path += "." + name
-        obj = getattr(obj, name) if hasattr(obj, name) else importlib.import_module(path)
-    return obj
+def _load_make_api():
+    """docs/make_api.py, the generator of docs/api.md (a script, not a module of the package)."""
+    spec = importlib.util.spec_from_file_location("make_api", API.parent / "make_api.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _default(parameter: inspect.Parameter) -> str:
-    value = parameter.default
-    if value is dataclasses.MISSING or repr(value) == "<factory>":
-        return "..."
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # "x", and "\n\n" for a separator as the code writes it
-    return repr(value)
-
-
-def rendered_signature(name: str, obj: object) -> str:
-    """``name(a, b=1, *, c="x", **options)``: parameters without annotations, ``self``/``cls`` left out."""
-    parts, star = [], False
-    for parameter in inspect.signature(obj).parameters.values():
-        if parameter.name in ("self", "cls"):
-            continue
-        if parameter.kind is parameter.VAR_POSITIONAL:
-            parts.append("*" + parameter.name)
-            star = True
-        elif parameter.kind is parameter.VAR_KEYWORD:
-            parts.append("**" + parameter.name)
-        else:
-            if parameter.kind is parameter.KEYWORD_ONLY and not star:
-                parts.append("*")
-                star = True
-            text = parameter.name
-            if parameter.default is not parameter.empty:
-                text += "=" + _default(parameter)
-            parts.append(text)
-    return f"{name}({', '.join(parts)})"
-
-
-def _is_protocol(cls: type) -> bool:
-    return bool(getattr(cls, "_is_protocol", False))
+make_api = _load_make_api()  # resolve, rendered_signature and has_signature_block: one rendering for both
 
 
 def documented() -> dict[str, str | None]:
@@ -98,15 +60,16 @@ def test_every_public_name_has_a_heading() -> None:
 
 @pytest.mark.parametrize("heading", sorted(documented()))
 def test_each_signature_is_the_codes(heading: str) -> None:
-    obj = resolve(heading)
+    obj = make_api.resolve(heading)
     block = documented()[heading]
     short = heading.rsplit(".", 1)[1]
-    if not callable(obj) or (isinstance(obj, type) and (issubclass(obj, Exception) or _is_protocol(obj))):
+    if not make_api.has_signature_block(obj):
         assert block is None, f"{heading} is a value, an exception or a protocol: no signature block"
         return
+    signature = make_api.rendered_signature(short, obj)
     if block is None:
-        pytest.fail(f"{heading} has no signature block; the code's: {rendered_signature(short, obj)}")
-    assert block.splitlines()[0] == rendered_signature(short, obj)
+        pytest.fail(f"{heading} has no signature block; the code's: {signature}")
+    assert block.splitlines()[0] == signature
 
 
 def test_method_names_come_in_the_order_of_the_readme_table():
@@ -119,7 +82,4 @@ def test_method_names_come_in_the_order_of_the_readme_table():
 
 def test_api_md_is_generated_from_the_code() -> None:
     """A docstring or signature changed since docs/api.md was written: run ``python docs/make_api.py``."""
-    spec = importlib.util.spec_from_file_location("make_api", API.parent / "make_api.py")
-    make_api = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_api)
     assert API.read_text() == make_api.render(), "docs/api.md is out of date: run python docs/make_api.py"
