@@ -59,10 +59,11 @@ def main() -> None:
     parser.add_argument("--max-memory", type=float, default=1024.0, help="MiB of contexts held in memory")
     parser.add_argument("--batch-window-ms", type=float, default=10.0, help="as criticalkv serve's")
     parser.add_argument("--max-batch", type=int, default=8, help="as criticalkv serve's (1: every request alone)")
+    parser.add_argument("--dtype", default="auto", help="the model's dtype (auto: as criticalkv serve reads it)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    model, tokenizer = load_model(args.model, device="cpu")
+    model, tokenizer = load_model(args.model, device="cpu", dtype=args.dtype)
     with tempfile.TemporaryDirectory() as folder:
         store = ContextStore(model, Path(folder), int(args.max_memory * (1 << 20)))
         settings = ServerSettings(
@@ -157,6 +158,7 @@ def run_load(url: str, args: argparse.Namespace, tokenizer) -> dict[str, object]
         "model": args.model,
         "method": args.method,
         "budget": args.budget,
+        "dtype": args.dtype,
         "contexts": args.contexts,
         "context_tokens": args.tokens,
         "clients": args.clients,

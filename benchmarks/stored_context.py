@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--method", default="critical-snapkv")
     parser.add_argument("--budget", default="0.2")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default="auto", help="the model's dtype (auto: bfloat16 for presets)")
+    parser.add_argument("--dtype", default="auto", help="the model's dtype (auto: as criticalkv run reads it)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument(
         "--clock",

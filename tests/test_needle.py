@@ -70,6 +70,17 @@ def test_several_needles_in_one_context(tiny_tokenizer) -> None:
     assert [s.depth for s in samples] == [0.25, 0.5, 0.75]
     assert all(s.key in s.question and s.key in s.answer_prefix for s in samples)
     assert build_needles_sample(tiny_tokenizer, 600, [0.25], seed=7)[0] == single
+    # the others are facts of other kinds, each answer in its own needle and question naming its key
+    assert "magic number" in samples[0].question
+    assert "password" in samples[1].question and "city" in samples[2].question
+    assert all(s.needle.endswith(f": {s.answer}.") and s.answer_prefix in s.needle for s in samples[1:])
+
+
+def test_many_needles_keep_distinct_questions_or_are_refused(tiny_tokenizer) -> None:
+    samples = build_needles_sample(tiny_tokenizer, 600, [i / 40 for i in range(41)], seed=3)
+    assert len({s.question for s in samples}) == 41
+    with pytest.raises(CriticalKVError, match="distinct keys"):
+        build_needles_sample(tiny_tokenizer, 600, [0.5] * 80, seed=3)  # 40 doors, 30 adjectives
 
 
 def test_several_needles_refuse_bad_depths(tiny_tokenizer) -> None:

@@ -75,6 +75,7 @@ from transformers import (
 from criticalkv.core import paths
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
 from criticalkv.models import PRESETS, families, gguf, list_presets, load_model, loading, presets, resolve_model_folder
+from criticalkv.models.device_dtype import preset_dtype
 from criticalkv.models.families import SUPPORTED_FAMILIES, check_supported, head_dim, text_config
 from criticalkv.models.gguf import ModelAssetError
 
@@ -207,7 +208,10 @@ def fake_preset(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_tokenizer)
     return seen
 
 
-def test_conversion_joins_verifies_and_caches(fake_preset: dict[str, object], cache: Path) -> None:
+def test_conversion_joins_verifies_and_caches(
+    fake_preset: dict[str, object], cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("criticalkv.core.device.cpu_multiplies_bfloat16", lambda: True)
     folder = resolve_model_folder("fake")
     assert folder == cache / "models" / "fake"
     assert fake_preset["content"] == b"alpha-beta-gamma"  # parts joined in order
@@ -217,7 +221,7 @@ def test_conversion_joins_verifies_and_caches(fake_preset: dict[str, object], ca
     assert leftovers(cache) == ["fake"]  # temp dir and joined GGUF removed
     assert resolve_model_folder("fake") == folder and fake_preset["calls"] == 1  # converted once
 
-    model, tokenizer = load_model("fake")  # "auto" = bfloat16 for presets
+    model, tokenizer = load_model("fake", device="cpu")  # "auto" = bfloat16 for presets on this CPU
     assert model.dtype == torch.bfloat16 and not model.training
     assert tokenizer("the fox")["input_ids"]
     # The bf16 save reloads as float32, holding exactly the bf16-rounded weights.
@@ -261,6 +265,18 @@ def test_marker_that_is_not_an_object_means_not_converted(fake_preset: dict[str,
     folder = resolve_model_folder("fake")
     (folder / "criticalkv-preset.json").write_text("[]")
     assert resolve_model_folder("fake") == folder and fake_preset["calls"] == 2  # converted again, no crash
+
+
+@pytest.mark.parametrize(("native", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_loads_a_preset_in_float32_where_the_cpu_emulates_bfloat16(
+    fake_preset: dict[str, object], cache: Path, monkeypatch: pytest.MonkeyPatch, native: bool, expected: torch.dtype
+) -> None:
+    """A CPU without AVX512-BF16 or AMX emulates bfloat16 products (about 2.8x slower than float32): ``auto`` loads
+    a preset in float32 there, in bfloat16 where the CPU multiplies it; an explicit dtype is kept either way."""
+    monkeypatch.setattr("criticalkv.core.device.cpu_multiplies_bfloat16", lambda: native)
+    assert load_model("fake", device="cpu")[0].dtype == expected
+    assert load_model("fake", device="cpu", dtype="bfloat16")[0].dtype == torch.bfloat16
+    assert preset_dtype(torch.device("cuda")) == torch.bfloat16  # a GPU multiplies bfloat16
 
 
 # ---------------------------------------------------------------- local folders and hub ids
@@ -570,7 +586,7 @@ def test_convert_smollm2(cache: Path, capsys: pytest.CaptureFixture[str]) -> Non
     reloaded = time.perf_counter() - start
     print(f"conversion {converted:.1f} s, reload {reloaded:.1f} s")
     assert reloaded < 10
-    assert model.dtype == torch.bfloat16 and model.config.num_hidden_layers == 30
+    assert model.dtype == preset_dtype(torch.device("cpu")) and model.config.num_hidden_layers == 30
     assert head_dim(model.config) == 64 and model.config.num_key_value_heads == 3
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]

@@ -37,6 +37,30 @@ _NOUNS = (
     "meadow", "mirror", "otter", "parrot", "pebble", "pillow", "quartz", "raven", "saddle", "tiger",
     "tulip", "valley", "violin", "walnut", "willow", "window", "wizard", "yacht", "zebra", "zephyr",
 )  # fmt: skip
+_CITIES = (
+    "Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Dublin", "Quito", "Tunis", "Riga", "Osaka",
+    "Porto", "Cusco", "Bergen", "Dakar", "Kyoto", "Malaga", "Tallinn", "Zagreb", "Accra", "Perth",
+)  # fmt: skip
+_PASSWORDS = (
+    "tangerine", "saffron", "juniper", "marzipan", "paprika",
+    "cinnamon", "lavender", "mandarin", "pistachio", "vanilla",
+)  # fmt: skip
+_TRADES = ("clockmaker", "baker", "cartographer", "glassblower", "locksmith", "beekeeper", "bookbinder", "weaver")
+# The needles after the first in ``build_needles_sample``: facts of other kinds, since a small model asked about one
+# of several magic numbers tends to answer with the last one (SmolLM2-135M does at 4k, for every key).
+# (needle, question, answer prefix): each formatted with a drawn ``key`` and ``value``.
+_OTHER_KINDS = (
+    (
+        "The secret password of the {key} door is: {value}.",
+        "What is the secret password of the {key} door?",
+        "The secret password of the {key} door is",
+    ),
+    (
+        "The city where the {key} lives is: {value}.",
+        "In which city does the {key} live?",
+        "The city where the {key} lives is",
+    ),
+)
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+")
 
 
@@ -49,7 +73,7 @@ class NeedleSample:
 
     context: str
     question: str
-    answer: str  # 7-digit number, as text
+    answer: str  # the needle's value as text: a 7-digit number (a password or a city for build_needles_sample's others)
     depth: float  # requested relative needle position in [0, 1]
     context_tokens: int
     key: str
@@ -125,6 +149,16 @@ def _key_and_value(rng: random.Random) -> tuple[str, str]:
     """A 7-digit value and an adjective-noun key such as "misty-harbor", drawn from ``rng`` in that order."""
     value = str(rng.randint(1_000_000, 9_999_999))
     return value, f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+
+
+def _other_kind_needle(rng: random.Random, kind: int) -> tuple[str, str, str, str, str]:
+    """(key, value, needle, question, answer prefix) of a fact of ``_OTHER_KINDS[kind]``, drawn from ``rng``."""
+    needle, question, prefix = _OTHER_KINDS[kind]
+    if kind == 0:  # a door named by an adjective, a spice or fruit for a password
+        key, value = rng.choice(_ADJECTIVES), rng.choice(_PASSWORDS)
+    else:  # a tradesperson named by an adjective, a city
+        key, value = f"{rng.choice(_ADJECTIVES)} {rng.choice(_TRADES)}", rng.choice(_CITIES)
+    return key, value, needle.format(key=key, value=value), question.format(key=key), prefix.format(key=key)
 
 
 def build_needle_sample(
@@ -207,9 +241,10 @@ def build_needles_sample(
 ) -> list[NeedleSample]:
     """One haystack holding a needle at each of ``depths``, each needle with its own key, value and question.
 
-    The first needle is ``build_needle_sample(tokenizer, context_tokens, depths[0], seed)``; each further one is
-    inserted at the sentence boundary nearest to its depth x the context's length (in characters), so the context
-    grows by the extra needles' tokens.
+    The first needle is ``build_needle_sample(tokenizer, context_tokens, depths[0], seed)``; the further ones are
+    facts of other kinds, in turn a door's password and the city a tradesperson lives in (a small model asked about
+    one of several magic numbers tends to answer with the last), each inserted at the sentence boundary nearest to
+    its depth x the context's length (in characters), so the context grows by the extra needles' tokens.
 
     Parameters
     ----------
@@ -238,28 +273,24 @@ def build_needles_sample(
     first = build_needle_sample(tokenizer, context_tokens, depth=depths[0], seed=seed)
     rng = random.Random(seed)
     _key_and_value(rng)  # the first needle's draw, taken again so that the next draws differ from it
-    context, drawn = first.context, [(first.key, first.answer, depths[0])]
-    for depth in depths[1:]:
+    context = first.context
+    drawn = [(first.key, first.answer, depths[0], first.needle, first.question, first.answer_prefix)]
+    for index, depth in enumerate(depths[1:]):
         if not 0.0 <= depth <= 1.0:
             raise CriticalKVError(f"depth must be in [0, 1], got {depth}.")
-        value, key = _key_and_value(rng)
-        while key in {k for k, _, _ in drawn}:  # each question must name one needle only
-            value, key = _key_and_value(rng)
-        context = _insert_at_sentence(context, NEEDLE.format(key=key, value=value), round(depth * len(context)))
-        drawn.append((key, value, depth))
+        for _ in range(1000):  # each question must name one needle only
+            fact = _other_kind_needle(rng, index % len(_OTHER_KINDS))
+            if fact[3] not in {d[4] for d in drawn}:
+                break
+        else:
+            raise CriticalKVError(f"{len(depths)} needles are more than build_needles_sample has distinct keys for.")
+        key, value, needle, question, prefix = fact
+        context = _insert_at_sentence(context, needle, round(depth * len(context)))
+        drawn.append((key, value, depth, needle, question, prefix))
     tokens = len(tokenizer(context, add_special_tokens=False)["input_ids"])
     return [
-        NeedleSample(
-            context=context,
-            question=QUESTION.format(key=key),
-            answer=value,
-            depth=depth,
-            context_tokens=tokens,
-            key=key,
-            needle=NEEDLE.format(key=key, value=value),
-            answer_prefix=ANSWER_PREFIX.format(key=key),
-        )
-        for key, value, depth in drawn
+        NeedleSample(context, question, value, depth, tokens, key, needle, prefix)
+        for key, value, depth, needle, question, prefix in drawn
     ]
 
 

@@ -18,7 +18,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from criticalkv.errors import CriticalKVError, UnsupportedModelError, did_you_mean
-from criticalkv.models.device_dtype import as_dtype, resolve_device, slow_dtype_note
+from criticalkv.models.device_dtype import as_dtype, preset_dtype, resolve_device, slow_dtype_note
 from criticalkv.models.families import check_supported
 from criticalkv.models.gguf import resolve_model_folder
 from criticalkv.models.hub import hub_reachable
@@ -62,7 +62,8 @@ def load_model(
         ``config.json``, or a hub id (passed to ``from_pretrained``; when the hub's host cannot be reached, read
         from the local Hugging Face cache alone, without the download's retries).
     dtype : torch.dtype or str
-        ``"auto"`` means bfloat16 for presets and the checkpoint's own dtype otherwise.
+        ``"auto"`` means, for presets, bfloat16 (float32 on a CPU without bfloat16 instructions: ``preset_dtype``),
+        and the checkpoint's own dtype otherwise.
     device : str or torch.device
         Where the model runs: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (see ``resolve_device``; checked
         before anything is loaded).
@@ -98,7 +99,8 @@ def load_model(
     """
     target = resolve_device(device) if distributed_config is None else None
     is_preset = name_or_path in PRESETS
-    torch_dtype = as_dtype(dtype, torch.bfloat16 if is_preset else "auto")
+    runs_on = target if target is not None else resolve_device("auto")  # torchrun's ranks: a GPU each, or the CPU
+    torch_dtype = as_dtype(dtype, preset_dtype(runs_on) if is_preset else "auto")
     if is_preset:
         source = str(resolve_model_folder(name_or_path))
     elif Path(name_or_path).expanduser().exists():
