@@ -406,7 +406,7 @@ def test_dtype_reaches_the_model_and_the_folders_settings_of_ruler_and_needle(sh
 def test_run_hints_float32_for_a_bfloat16_model_on_a_cpu_that_emulates_bfloat16(
     short_model, tmp_path, monkeypatch, dtype, native, hinted
 ):
-    """Without AVX512-BF16 or AMX, bfloat16 runs about 2.8x slower than float32 on a CPU: the command says so (once),
+    """Without AVX512-BF16 or AMX, bfloat16 runs about 5x slower than float32 on a CPU: the command says so (once),
     and nothing where the CPU multiplies bfloat16 or the model is not in bfloat16."""
     monkeypatch.setattr("criticalkv.core.device.cpu_multiplies_bfloat16", lambda: native)
     context = tmp_path / "context.txt"

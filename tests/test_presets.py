@@ -271,7 +271,7 @@ def test_marker_that_is_not_an_object_means_not_converted(fake_preset: dict[str,
 def test_auto_loads_a_preset_in_float32_where_the_cpu_emulates_bfloat16(
     fake_preset: dict[str, object], cache: Path, monkeypatch: pytest.MonkeyPatch, native: bool, expected: torch.dtype
 ) -> None:
-    """A CPU without AVX512-BF16 or AMX emulates bfloat16 products (about 2.8x slower than float32): ``auto`` loads
+    """A CPU without AVX512-BF16 or AMX emulates bfloat16 products (about 5x slower than float32): ``auto`` loads
     a preset in float32 there, in bfloat16 where the CPU multiplies it; an explicit dtype is kept either way."""
     monkeypatch.setattr("criticalkv.core.device.cpu_multiplies_bfloat16", lambda: native)
     assert load_model("fake", device="cpu")[0].dtype == expected

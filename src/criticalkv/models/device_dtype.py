@@ -16,7 +16,7 @@ DTYPE_HELP = (
 
 def slow_dtype_note(model: PreTrainedModel) -> str | None:
     """A hint for the command line: a bfloat16 model on a CPU that emulates bfloat16 products (neither AVX512-BF16
-    nor AMX), where float32 runs about 2.8x faster (README); None elsewhere."""
+    nor AMX), where float32 runs about 5x faster (docs/benchmarks.md); None elsewhere."""
     from criticalkv.core.device import cpu_multiplies_bfloat16
 
     if model.dtype != torch.bfloat16 or model.device.type != "cpu" or cpu_multiplies_bfloat16():
@@ -29,7 +29,7 @@ def slow_dtype_note(model: PreTrainedModel) -> str | None:
 
 def preset_dtype(device: torch.device) -> torch.dtype:
     """What ``auto`` loads a preset in: bfloat16, except on a CPU that emulates bfloat16 products (neither
-    AVX512-BF16 nor AMX), where float32 runs about 2.8x faster (README) at twice the KV bytes."""
+    AVX512-BF16 nor AMX), where float32 runs about 5x faster (docs/benchmarks.md) at twice the KV bytes."""
     from criticalkv.core.device import cpu_multiplies_bfloat16
 
     if device.type == "cpu" and not cpu_multiplies_bfloat16():
