@@ -11,7 +11,7 @@ import json
 import random
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib.util import find_spec
 from pathlib import Path
@@ -48,17 +48,22 @@ _PASSWORDS = (
 _TRADES = ("clockmaker", "baker", "cartographer", "glassblower", "locksmith", "beekeeper", "bookbinder", "weaver")
 # The needles after the first in ``build_needles_sample``: facts of other kinds, since a small model asked about one
 # of several magic numbers tends to answer with the last one (SmolLM2-135M does at 4k, for every key).
-# (needle, question, answer prefix): each formatted with a drawn ``key`` and ``value``.
+# (needle, question, answer prefix, the pools of the key's words, the pool of values): the templates take the key,
+# its words drawn in turn and joined by a space, and the value, drawn after them.
 _OTHER_KINDS = (
     (
         "The secret password of the {key} door is: {value}.",
         "What is the secret password of the {key} door?",
         "The secret password of the {key} door is",
+        (_ADJECTIVES,),
+        _PASSWORDS,
     ),
     (
         "The city where the {key} lives is: {value}.",
         "In which city does the {key} live?",
         "The city where the {key} lives is",
+        (_ADJECTIVES, _TRADES),
+        _CITIES,
     ),
 )
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+")
@@ -151,14 +156,22 @@ def _key_and_value(rng: random.Random) -> tuple[str, str]:
     return value, f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
 
 
-def _other_kind_needle(rng: random.Random, kind: int) -> tuple[str, str, str, str, str]:
-    """(key, value, needle, question, answer prefix) of a fact of ``_OTHER_KINDS[kind]``, drawn from ``rng``."""
-    needle, question, prefix = _OTHER_KINDS[kind]
-    if kind == 0:  # a door named by an adjective, a spice or fruit for a password
-        key, value = rng.choice(_ADJECTIVES), rng.choice(_PASSWORDS)
-    else:  # a tradesperson named by an adjective, a city
-        key, value = f"{rng.choice(_ADJECTIVES)} {rng.choice(_TRADES)}", rng.choice(_CITIES)
-    return key, value, needle.format(key=key, value=value), question.format(key=key), prefix.format(key=key)
+def _other_kind_needle(rng: random.Random, kind: int, depth: float) -> NeedleSample:
+    """A fact of ``_OTHER_KINDS[kind]`` drawn from ``rng``, to be placed at ``depth``; its ``context`` and
+    ``context_tokens`` are left empty for ``build_needles_sample`` to fill once every needle is in."""
+    needle, question, prefix, key_pools, values = _OTHER_KINDS[kind]
+    key = " ".join(rng.choice(pool) for pool in key_pools)
+    value = rng.choice(values)
+    return NeedleSample(
+        context="",
+        question=question.format(key=key),
+        answer=value,
+        depth=depth,
+        context_tokens=0,
+        key=key,
+        needle=needle.format(key=key, value=value),
+        answer_prefix=prefix.format(key=key),
+    )
 
 
 def build_needle_sample(
@@ -273,25 +286,20 @@ def build_needles_sample(
     first = build_needle_sample(tokenizer, context_tokens, depth=depths[0], seed=seed)
     rng = random.Random(seed)
     _key_and_value(rng)  # the first needle's draw, taken again so that the next draws differ from it
-    context = first.context
-    drawn = [(first.key, first.answer, depths[0], first.needle, first.question, first.answer_prefix)]
+    context, drawn = first.context, [first]
     for index, depth in enumerate(depths[1:]):
         if not 0.0 <= depth <= 1.0:
             raise CriticalKVError(f"depth must be in [0, 1], got {depth}.")
         for _ in range(1000):  # each question must name one needle only
-            fact = _other_kind_needle(rng, index % len(_OTHER_KINDS))
-            if fact[3] not in {d[4] for d in drawn}:
+            fact = _other_kind_needle(rng, index % len(_OTHER_KINDS), depth)
+            if fact.question not in {d.question for d in drawn}:
                 break
         else:
             raise CriticalKVError(f"{len(depths)} needles are more than build_needles_sample has distinct keys for.")
-        key, value, needle, question, prefix = fact
-        context = _insert_at_sentence(context, needle, round(depth * len(context)))
-        drawn.append((key, value, depth, needle, question, prefix))
+        context = _insert_at_sentence(context, fact.needle, round(depth * len(context)))
+        drawn.append(fact)
     tokens = len(tokenizer(context, add_special_tokens=False)["input_ids"])
-    return [
-        NeedleSample(context, question, value, depth, tokens, key, needle, prefix)
-        for key, value, depth, needle, question, prefix in drawn
-    ]
+    return [replace(sample, context=context, context_tokens=tokens) for sample in drawn]
 
 
 def needle_prompt_ids(tokenizer: PreTrainedTokenizerBase, context_tokens: int, seed: int = 0) -> list[int]:

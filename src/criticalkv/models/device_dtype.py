@@ -14,12 +14,17 @@ DTYPE_HELP = (
 )
 
 
-def slow_dtype_note(model: PreTrainedModel) -> str | None:
-    """A hint for the command line: a bfloat16 model on a CPU that emulates bfloat16 products (neither AVX512-BF16
-    nor AMX), where float32 runs about 5x faster (docs/benchmarks.md); None elsewhere."""
+def _emulates_bfloat16(device: torch.device) -> bool:
+    """A CPU without bfloat16 instructions (neither AVX512-BF16 nor AMX), where float32 runs about 5x faster than
+    bfloat16 (docs/benchmarks.md)."""
     from criticalkv.core.device import cpu_multiplies_bfloat16
 
-    if model.dtype != torch.bfloat16 or model.device.type != "cpu" or cpu_multiplies_bfloat16():
+    return device.type == "cpu" and not cpu_multiplies_bfloat16()
+
+
+def slow_dtype_note(model: PreTrainedModel) -> str | None:
+    """A hint for the command line: a bfloat16 model on a CPU that emulates bfloat16 products; None elsewhere."""
+    if model.dtype != torch.bfloat16 or not _emulates_bfloat16(model.device):
         return None
     return (
         "note: this CPU has no bfloat16 instructions (neither AVX512-BF16 nor AMX): --dtype float32 runs faster here, "
@@ -28,13 +33,9 @@ def slow_dtype_note(model: PreTrainedModel) -> str | None:
 
 
 def preset_dtype(device: torch.device) -> torch.dtype:
-    """What ``auto`` loads a preset in: bfloat16, except on a CPU that emulates bfloat16 products (neither
-    AVX512-BF16 nor AMX), where float32 runs about 5x faster (docs/benchmarks.md) at twice the KV bytes."""
-    from criticalkv.core.device import cpu_multiplies_bfloat16
-
-    if device.type == "cpu" and not cpu_multiplies_bfloat16():
-        return torch.float32
-    return torch.bfloat16
+    """What ``auto`` loads a preset in: bfloat16, except on a CPU that emulates bfloat16 products, where float32
+    is faster at twice the KV bytes."""
+    return torch.float32 if _emulates_bfloat16(device) else torch.bfloat16
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
