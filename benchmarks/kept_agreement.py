@@ -44,13 +44,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--budgets", default="0.1,0.2,0.4")
     parser.add_argument("--methods", default="critical-snapkv,critical-adakv")
+    parser.add_argument("--dtype", default="bfloat16", help="the model's dtype (the screen bounds bfloat16 values)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=Path("results/kept_agreement.json"))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
     ids = torch.tensor([needle_prompt_ids(tokenizer, args.tokens)])
     pairs = [(spec, budget) for spec in args.methods.split(",") for budget in args.budgets.split(",")]
     masks: dict[tuple[str, str, str], list[torch.Tensor]] = {}

@@ -30,13 +30,14 @@ def main() -> None:
     parser.add_argument("--methods", default="snapkv,critical-snapkv")
     parser.add_argument("--budget", type=float, default=0.2)
     parser.add_argument("--answer-tokens", type=int, default=12)
+    parser.add_argument("--dtype", default="auto", help="the model's dtype (auto: as criticalkv run reads it)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=Path("results/needle_kept.json"))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):
         for depth in (float(x) for x in args.depths.split(",")):

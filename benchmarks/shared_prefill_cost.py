@@ -28,13 +28,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default="snapkv,critical-snapkv,adakv,critical-adakv,headkv,critical-headkv")
     parser.add_argument("--budgets", default="0.1,0.2,0.4")
+    parser.add_argument("--dtype", default="auto", help="the model's dtype (auto: as criticalkv run reads it)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=Path("results/shared_prefill_cost.json"))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
     sample = build_needle_sample(tokenizer, args.tokens, seed=0)
     ids = torch.tensor([encode_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)[0]])  # context
     methods = [m.strip() for m in args.methods.split(",")]
