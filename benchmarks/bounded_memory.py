@@ -5,12 +5,14 @@ decodes, its cache bytes after every step and its text against the uncompressed 
     python benchmarks/bounded_memory.py --model smollm2-135m --tokens 2048,4096,8192 --cap 1024 --chunk-size 2048 \
         --decode-tokens 4096 --compress-every 256 --out results/bounded_memory_smollm2.json
     python benchmarks/bounded_memory.py --model qwen2.5-0.5b --tokens 8192,16384,32768 --cap 1024 --chunk-size 2048 \
-        --decode-tokens 0 --out results/bounded_memory_qwen.json
+        --one-shot-max-tokens 16384 --decode-tokens 0 --out results/bounded_memory_qwen.json
 
 Each prefill runs in its own process, with glibc's mmap threshold at 64 KiB (``--allocator mmap``, as in
 docs/benchmarks.md), so its peak RSS above the start (after the weights load) is that prefill's live memory alone.
 The report gives, per mode, the spread of the peak across lengths (max / min - 1: flat when small) and the slope
-of the prefill time per token against the length (seconds per token per 1k tokens: 0 when constant).
+of the prefill time per token against the length (seconds per token per 1k tokens: 0 when constant), in wall and
+CPU seconds. The one-shot prefill's attention grows with the square of the length: ``--one-shot-max-tokens`` skips
+it beyond a length.
 """
 
 from __future__ import annotations
@@ -41,14 +43,16 @@ def prefill_run(args: argparse.Namespace, mode: str, tokens: int) -> dict:
     chunking = {"chunk_size": args.chunk_size, "cap": args.cap} if mode == "chunked" else {}
     session = ContextSession(model, args.method, args.cap, **chunking)
     start_memory = reset_peak_memory(CPU)  # loading the weights peaks higher than a prefill: measure from here on
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     session.prefill(ids)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     return {
         "mode": mode,
         "prompt_tokens": ids.shape[1],
         "prefill_seconds": seconds,
         "prefill_seconds_per_token": seconds / ids.shape[1],
+        "prefill_cpu_seconds": cpu_seconds,
+        "prefill_cpu_seconds_per_token": cpu_seconds / ids.shape[1],
         "kv_bytes": session.kv_bytes(),
         "peak_rss_above_start_bytes": peak_memory_above(CPU, start_memory)["peak_rss_above_start_bytes"],
     }
@@ -101,9 +105,12 @@ def summary(runs: list[dict]) -> dict:
         peaks = [r["peak_rss_above_start_bytes"] for r in mine]
         out[mode] = {
             "peak_rss_spread": max(peaks) / max(min(peaks), 1) - 1,
-            "seconds_per_token_slope_per_1k_tokens": slope_per_1k(
-                [(r["prompt_tokens"], r["prefill_seconds_per_token"]) for r in mine]
-            ),
+            **{
+                f"{kind}_per_token_slope_per_1k_tokens": slope_per_1k(
+                    [(r["prompt_tokens"], r[f"prefill_{kind}_per_token"]) for r in mine]
+                )
+                for kind in ("seconds", "cpu_seconds")
+            },
         }
     return out
 
@@ -146,6 +153,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--method", default="critical-snapkv")
     parser.add_argument("--tokens", default="2048,4096,8192", help="comma-separated prompt lengths")
+    parser.add_argument("--one-shot-max-tokens", type=int, default=None, help="no one-shot prefill beyond this length")
     parser.add_argument("--cap", type=int, default=1024, help="entries per KV head kept")
     parser.add_argument("--chunk-size", type=int, default=2048)
     parser.add_argument("--compress-every", type=int, default=256, help="decode run: compress every N tokens")
@@ -167,12 +175,15 @@ def main() -> None:
     runs = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         for mode in MODES:
+            if mode == "one-shot" and args.one_shot_max_tokens is not None and tokens > args.one_shot_max_tokens:
+                continue
             runs.append(child(args, "--single", f"{mode}:{tokens}"))
             r = runs[-1]
             print(
                 f"{mode:9s} {r['prompt_tokens']:6d} tokens  peak RSS above start "
                 f"{r['peak_rss_above_start_bytes'] / 2**20:7.0f} MiB  prefill {r['prefill_seconds']:7.2f} s "
-                f"({1e3 * r['prefill_seconds_per_token']:.3f} ms/token)  KV {r['kv_bytes'] / 2**20:6.1f} MiB"
+                f"({1e3 * r['prefill_seconds_per_token']:.3f} ms/token; CPU {r['prefill_cpu_seconds']:.2f} s)  "
+                f"KV {r['kv_bytes'] / 2**20:6.1f} MiB"
             )
     report = {
         "command": "python benchmarks/bounded_memory.py "
@@ -184,7 +195,8 @@ def main() -> None:
     for mode, figures in report["summary"].items():
         print(
             f"{mode}: peak RSS spread {100 * figures['peak_rss_spread']:.1f}%, prefill time per token slope "
-            f"{1e3 * figures['seconds_per_token_slope_per_1k_tokens']:.4f} ms/token per 1k tokens"
+            f"{1e3 * figures['seconds_per_token_slope_per_1k_tokens']:.4f} ms/token per 1k tokens (CPU "
+            f"{1e3 * figures['cpu_seconds_per_token_slope_per_1k_tokens']:.4f})"
         )
     if args.decode_tokens:
         report["decode"] = decode_run_report = child(args, "--single", "decode")

@@ -186,6 +186,32 @@ def test_uniform_path_equals_masked_dense_attention(groups, q, padded_tail, kept
     assert choose_path(query, layer, tail_mask, tail_keys.shape[2]) == "uniform"
 
 
+@pytest.mark.parametrize("uniform", [False, True])
+@pytest.mark.parametrize("padded_tail", [False, True])
+def test_a_chunk_attends_in_blocks_of_query_rows_whose_masks_stay_small(uniform, padded_tail, monkeypatch):
+    """A tail some query may not read (a prefill chunk) goes through SDPA a block of query rows at a time: no call's
+    mask holds more than ``LOGIT_BLOCK_ELEMENTS`` entries (SDPA makes a float copy of it), every query row is
+    answered once, and the output is masked dense attention's."""
+    limit = 600  # b x heads x G x (width + tail) = 3 x (1 or 2) x 3 x (<= 10 + 10): 1-5 query rows a block
+    monkeypatch.setattr(fused_attention, "LOGIT_BLOCK_ELEMENTS", limit)
+    sdpa, masks = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(query, keys, values, attn_mask=None, **kwargs):
+        masks.append(attn_mask)
+        return sdpa(query, keys, values, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(fused_attention.F, "scaled_dot_product_attention", spy)
+    gen = torch.Generator().manual_seed(31 + padded_tail + 2 * uniform)
+    b, h_kv, groups, q = 3, 2, 3, 7
+    lengths = torch.full((b, h_kv), 10) if uniform else torch.randint(4, 11, (b, h_kv), generator=gen)
+    case = make_case(b, h_kv, groups, 40, 8, q, previous=3, gen=gen, lengths=lengths, padded_tail=padded_tail)
+    layer, query, tail_keys, tail_values, tail_mask, want = case
+    out = run_path("uniform" if uniform else "padded", layer, query, tail_keys, tail_values, tail_mask)
+    assert len(masks) > 1 and all(mask.numel() <= limit for mask in masks)
+    assert sum(mask.shape[2] for mask in masks) == groups * q  # the folded rows, each once
+    assert (out.double() - want).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("extras", ["softcap", "sinks", "both"])
 @pytest.mark.parametrize("uniform", [False, True])
 @pytest.mark.parametrize("padded_tail", [False, True])

@@ -89,7 +89,8 @@ CPU_SEGMENT_ENTRIES = 256
 #: On CUDA, the padded path runs when its padded key tensor takes at most this many bytes.
 CUDA_PADDED_MAX_BYTES = 2**30
 #: Logits of one block of query rows (float32 elements: 16 MiB), in ``explicit_attention`` and in
-#: ``criticalkv.cache.attention.segment_attention`` (both read it when called).
+#: ``criticalkv.cache.attention.segment_attention``, and the mask of one block in ``one_call_attention`` (all read it
+#: when called).
 LOGIT_BLOCK_ELEMENTS = 2**22
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
@@ -118,29 +119,58 @@ def one_call_attention(
     whole tail (a decode step), and absent when moreover every context slot is real. Returns (b, q, h_q, d).
     With a soft cap (Gemma 2) or sinks (gpt-oss, (h_q,)), which SDPA does not take, the same products and softmax
     written out in float32 (``explicit_attention``).
+
+    A tail some query may not read (a prefill chunk, a question) needs a mask of every folded row: the query rows
+    then go in blocks whose mask holds at most ``LOGIT_BLOCK_ELEMENTS`` entries (SDPA turns a boolean mask into a
+    float one of the same size), so that a chunk of C tokens over L kept entries never holds the
+    (G * C) x (L + C) mask at once.
     """
     b, h_q, q, d = query.shape
     h_kv = keys.shape[1]
     g = h_q // h_kv
     tail = tail_mask.shape[-1]
     width = keys.shape[2] - tail
-    mask = None
-    if bool(tail_mask.all()):  # every query reads every tail entry
+    if bool(tail_mask.all()):  # every query reads every tail entry: one call, one mask row (or none)
+        mask = None
         if valid is not None:
             mask = torch.cat([valid, valid.new_ones(b, h_kv, tail)], dim=-1)[:, :, None]  # (b, h_kv, 1, width + tail)
-    else:
-        heads = 1 if valid is None else h_kv
-        context = tail_mask.new_ones(b, 1, 1, width) if valid is None else valid[:, :, None]
-        folded_tail = tail_mask[:, :, None].expand(b, 1, g, q, tail).reshape(b, 1, g * q, tail)
+        out = _folded_attention(query, keys, values, mask, scaling, softcap, sinks)
+        return out.reshape(b, h_q, q, d).transpose(1, 2)  # SDPA on a GPU may return a non-contiguous (b, h, q, d)
+    heads = 1 if valid is None else h_kv
+    context = tail_mask.new_ones(b, 1, 1, width) if valid is None else valid[:, :, None]  # (b, 1 or h_kv, 1, width)
+    step = max(1, LOGIT_BLOCK_ELEMENTS // (b * heads * g * (width + tail)))  # query rows a block
+    out = query.new_empty(b, h_q, q, d)
+    for start in range(0, q, step):
+        rows = min(step, q - start)
+        block_tail = tail_mask[:, :, None, start : start + rows].expand(b, 1, g, rows, tail)
         mask = torch.cat(
-            [context.expand(b, heads, g * q, width), folded_tail.expand(b, heads, g * q, tail)], dim=-1
-        )  # (b, 1 or h_kv, G*q, width + tail)
-    folded = query.reshape(b, h_kv, g * q, d)  # query heads of a KV head are adjacent
+            [
+                context.expand(b, heads, g * rows, width),
+                block_tail.reshape(b, 1, g * rows, tail).expand(-1, heads, -1, -1),
+            ],
+            dim=-1,
+        )  # (b, 1 or h_kv, G*rows, width + tail)
+        block = _folded_attention(query[:, :, start : start + rows], keys, values, mask, scaling, softcap, sinks)
+        out[:, :, start : start + rows] = block.reshape(b, h_q, rows, d)
+    return out.transpose(1, 2)
+
+
+def _folded_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """query (b, h_q, r, d) with its G query heads of a KV head folded into the query axis, against keys and values
+    (b, h_kv, n, d) under mask (broadcastable to (b, h_kv, G*r, n) bool) or None: (b, h_kv, G*r, d)."""
+    b, h_q, r, d = query.shape
+    folded = query.reshape(b, keys.shape[1], h_q // keys.shape[1] * r, d)  # query heads of a KV head are adjacent
     if softcap is not None or sinks is not None:
-        out = explicit_attention(folded, keys, values, mask, scaling, softcap, sinks)
-        return out.reshape(b, h_q, q, d).transpose(1, 2)
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
-    return out.reshape(b, h_q, q, d).transpose(1, 2)  # SDPA on a GPU may return a non-contiguous (b, h, q, d)
+        return explicit_attention(folded, keys, values, mask, scaling, softcap, sinks)
+    return F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
 
 
 def explicit_attention(
@@ -200,7 +230,8 @@ def uniform_attention(
     (b, q, h_q, d). The layer is joined at the first call (``CompressedLayer.joined_states``: context and tail in
     one buffer, appends written in place), so when the tail is the layer's own (what its ``update`` returned) a
     decode step copies nothing. Any other tail is concatenated to the context for this call only. Transient
-    memory: that concatenation, and a (b, 1, G * q, L + tail) bool mask unless every query reads every entry.
+    memory: that concatenation, and, unless every query reads every entry, the mask of a block of query rows
+    (``one_call_attention``).
     """
     width = layer.uniform_width()
     if width is None:
@@ -261,8 +292,8 @@ def padded_attention(
 
     query (b, h_q, q, d); tail_keys, tail_values (b, h_kv, tail, d); tail_mask (b, 1, q, tail) bool.
     Returns (b, q, h_q, d). Transient memory: one copy of the stored entries (context and tail), the padded keys
-    and values of (b * h_kv) x (max_len + tail) entries, and a (b, h_kv, G * q, max_len + tail) bool mask (one
-    row instead of G * q when every query reads the whole tail, as at a decode step).
+    and values of (b * h_kv) x (max_len + tail) entries, and a (b, h_kv, 1, max_len + tail) bool mask when every
+    query reads the whole tail (a decode step), else the mask of a block of query rows (``one_call_attention``).
     """
     keys, values, valid = padded_segments(layer, tail_keys, tail_values)  # (b, h_kv, max_len + tail, d)
     return one_call_attention(query, keys, values, valid, tail_mask, scaling, softcap, sinks)
