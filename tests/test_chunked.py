@@ -133,6 +133,29 @@ def test_several_chunks_equal_the_masked_dense_reference(method, padded, monkeyp
         assert all(bool((held.sum(-1) == 10).all()) for held in last.values())
 
 
+def test_a_chunk_over_compressed_layers_gets_a_mask_over_its_tail_alone(monkeypatch):
+    """transformers sizes the mask by ``CompressedCache.get_mask_sizes``: after the first chunk it covers the tail
+    (the chunk) alone, not every token seen (the test above holds with it); a dense layer widens it back to 0."""
+    model = _model("llama")
+    ids, mask = _left_padded([_ids(50, seed=8)[0], _ids(27, seed=9)[0]])  # padding in the second chunk: a mask
+    widths = []  # (mask width, tail, seen) of every compressed layer's attention that received a mask
+    tail_mask = CompressedLayer.tail_mask
+
+    def spy(layer: CompressedLayer, logical_mask, query_length: int):
+        if logical_mask is not None:
+            widths.append((logical_mask.shape[-1], layer.tail, layer.seen))
+        return tail_mask(layer, logical_mask, query_length)
+
+    monkeypatch.setattr(CompressedLayer, "tail_mask", spy)
+    session = ContextSession(model, "snapkv", chunk_size=12, cap=10, window=4)
+    session.prefill(ids, mask)
+    assert widths and all(width == tail < seen for width, tail, seen in widths)
+    layers = _layers(session)
+    assert session.cache.get_mask_sizes(3, 0) == (3, 50)  # the context ends at 50 in every layer: the question's
+    layers[1].context_seen = 0  # as a layer still dense (or kept whole) reads the mask from position 0
+    assert session.cache.get_mask_sizes(3, 0) == (53, 0)
+
+
 @settings(max_examples=12)
 @given(
     t=st.integers(5, 40),

@@ -84,6 +84,31 @@ class CompressedCache(StageLength, Cache):
         self.compressor.active_cache = self  # the attention function right after this call reads it
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the mask transformers builds for the layers of ``layer_idx``'s kind.
+
+        For our layers the mask starts where the earliest of their compressed contexts ends (0 while one is dense):
+        a compressed layer reads only its tail's columns (``CompressedLayer.tail_columns``), so a chunk or a question
+        over a compressed context gets a (b, 1, q, tail + q) mask rather than one over every token seen (for a
+        2,048-token chunk after 30k tokens, 64 MiB of mask to read its last 2,048 columns). Other kinds of layer:
+        transformers' sizes.
+        """
+        kv_length, kv_offset = super().get_mask_sizes(query_length, layer_idx)
+        ours = [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
+        if kv_offset or not isinstance(self._mask_layer(layer_idx), CompressedLayer):
+            return kv_length, kv_offset
+        start = min(layer.context_seen for layer in ours)
+        return kv_length - start, start
+
+    def _mask_layer(self, layer_idx: int) -> object:
+        """The layer whose sizes ``Cache.get_mask_sizes`` reads for ``layer_idx``: that layer, or past a
+        ``DummyLayer`` (another pipeline stage's) the first layer this stage holds."""
+        if layer_idx >= len(self.layers):
+            return None
+        if isinstance(self.layers[layer_idx], DummyLayer):
+            return next((layer for layer in self.layers if not isinstance(layer, DummyLayer)), None)
+        return self.layers[layer_idx]
+
     def compact(self) -> None:
         """Give back every compressed layer's tail room beyond the tokens appended (``CompressedLayer.compact``)."""
         for layer in self.layers:

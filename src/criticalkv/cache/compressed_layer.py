@@ -348,7 +348,12 @@ class CompressedLayer(CacheLayerMixin):
             query_pos = self.seen - query_length + torch.arange(query_length, device=self.device)
             tail_pos = self.context_seen + torch.arange(self.tail, device=self.device)
             return (tail_pos[None, :] <= query_pos[:, None])[None, None]
-        return as_bool_mask(logical_mask)[:, :, :, self.context_seen : self.seen]
+        return as_bool_mask(self.tail_columns(logical_mask))
+
+    def tail_columns(self, mask: torch.Tensor) -> torch.Tensor:
+        """The tail's columns of a (b, 1, q, n) mask that ends at the last token seen: its last ``tail``, whether
+        it starts at position 0 or where the contexts end (``CompressedCache.get_mask_sizes``)."""
+        return mask[..., mask.shape[-1] - self.tail :]
 
     # --- persistence -------------------------------------------------------------------------------------
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:

@@ -165,7 +165,7 @@ class Rolling:
         keys, values, held = held_entries(layer)  # (b, h_kv, T, d), (b, h_kv, T)
         if attention_mask is not None:  # the tail's padding (a row whose real tokens start in this chunk)
             tail = layer.tail
-            real = as_bool_mask(attention_mask)[:, 0, -1, layer.context_seen : layer.seen]  # (b, tail)
+            real = as_bool_mask(layer.tail_columns(attention_mask))[:, 0, -1]  # (b, tail)
             held[..., held.shape[-1] - tail :] &= real[:, None, :]
         valid = held.any(dim=1)  # (b, T): a suffix of each row, as left padding (segments are right-aligned)
         query = self._rows[module.layer_idx]
