@@ -24,7 +24,7 @@ from criticalkv.cache import CompressedLayer
 from criticalkv.cache.rolling import held_entries
 from criticalkv.cli import app
 from criticalkv.core.view import LayerView
-from criticalkv.errors import BoundedMemoryError
+from criticalkv.errors import BoundedMemoryError, CriticalKVError
 from criticalkv.methods import build_method
 from criticalkv.runtime.chunked import prefill_in_chunks
 from criticalkv.runtime.method import Method
@@ -268,6 +268,27 @@ def test_run_prefills_in_chunks_and_compresses_while_answering(short_model, tmp_
 def test_the_commands_refuse_what_cannot_be_bounded(short_model, args, words):
     result = CliRunner().invoke(app, [*args, "--model", str(short_model), "--device", "cpu"])
     assert result.exit_code == 2 and words in " ".join(result.output.split()), result.output
+
+
+@pytest.mark.parametrize(
+    "benchmark",
+    [["ruler", "--tasks", "vt", "--length", "128", "--samples", "1"], ["needle", "--lengths", "64", "--depths", "0.5"]],
+)
+def test_the_eval_sweeps_prefill_with_the_bounded_options_given(short_model, tmp_path, monkeypatch, benchmark):
+    """--chunk-size and --cap reach the sweep's sessions and its folder's settings, needle's as RULER's."""
+    recorded = []
+
+    def sweep(*args, bounded=None, settings, **kwargs):
+        recorded.append((bounded, settings.get("bounded")))
+        raise CriticalKVError("stop before answering")
+
+    monkeypatch.setattr("criticalkv.eval.commands.run_sweep", sweep)
+    monkeypatch.setattr("criticalkv.eval.ruler.generate", lambda *args, **kwargs: [])
+    monkeypatch.setattr("criticalkv.eval.commands._check_prompts", lambda *args: None)  # the template exceeds 128
+    args = ["eval", *benchmark, "--model", str(short_model), "--device", "cpu", "--out", str(tmp_path / "out")]
+    result = CliRunner().invoke(app, [*args, "--chunk-size", "16", "--cap", "8"])
+    assert "stop before answering" in result.output, result.output
+    assert recorded == [({"chunk_size": 16, "cap": 8}, {"chunk_size": 16, "cap": 8})]
 
 
 def test_heads_holding_different_counts_read_their_own_entries_alone():

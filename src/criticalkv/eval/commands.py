@@ -478,8 +478,10 @@ def needle(
                 lambda s: 16,
                 total=len(items),
                 batch_answers=batch_answers,
+                bounded=bounded.options,
                 # a sample's index is its cell in the lengths x depths grid
                 settings={
+                    **bounded.setting,
                     "benchmark": "needle",
                     "model": model,
                     **grid,
