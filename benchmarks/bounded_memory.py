@@ -3,9 +3,9 @@ compression at the same cap, per prompt length; then a long generation compresse
 decodes, its cache bytes after every step and its text against the uncompressed generation's.
 
     python benchmarks/bounded_memory.py --model smollm2-135m --tokens 2048,4096,8192 --cap 1024 --chunk-size 2048 \
-        --decode-tokens 4096 --compress-every 256 --out results/bounded_memory_smollm2.json
+        --decode-tokens 4096 --compress-every 256 --dtype float32 --threads 1 --out results/bounded_memory_smollm2.json
     python benchmarks/bounded_memory.py --model qwen2.5-0.5b --tokens 8192,16384,32768 --cap 1024 --chunk-size 2048 \
-        --one-shot-max-tokens 16384 --decode-tokens 0 --out results/bounded_memory_qwen.json
+        --one-shot-max-tokens 16384 --decode-tokens 0 --dtype float32 --threads 1 --out results/bounded_memory_qwen.json
 
 Each prefill runs in its own process, with glibc's mmap threshold at 64 KiB (``--allocator mmap``, as in
 docs/benchmarks.md), so its peak RSS above the start (after the weights load) is that prefill's live memory alone.
@@ -187,7 +187,7 @@ def main() -> None:
             )
     report = {
         "command": "python benchmarks/bounded_memory.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "single"),
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "single" and v is not None),
         "machine": platform.machine(),
         "runs": runs,
         "summary": summary(runs),
