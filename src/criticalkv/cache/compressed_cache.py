@@ -94,20 +94,11 @@ class CompressedCache(StageLength, Cache):
         transformers' sizes.
         """
         kv_length, kv_offset = super().get_mask_sizes(query_length, layer_idx)
-        ours = [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
-        if kv_offset or not isinstance(self._mask_layer(layer_idx), CompressedLayer):
+        held = self.held_layer_index(layer_idx)  # the layer transformers reads the sizes of
+        if kv_offset or held >= len(self.layers) or not isinstance(self.layers[held], CompressedLayer):
             return kv_length, kv_offset
-        start = min(layer.context_seen for layer in ours)
+        start = min(layer.context_seen for layer in self.layers if isinstance(layer, CompressedLayer))
         return kv_length - start, start
-
-    def _mask_layer(self, layer_idx: int) -> object:
-        """The layer whose sizes ``Cache.get_mask_sizes`` reads for ``layer_idx``: that layer, or past a
-        ``DummyLayer`` (another pipeline stage's) the first layer this stage holds."""
-        if layer_idx >= len(self.layers):
-            return None
-        if isinstance(self.layers[layer_idx], DummyLayer):
-            return next((layer for layer in self.layers if not isinstance(layer, DummyLayer)), None)
-        return self.layers[layer_idx]
 
     def compact(self) -> None:
         """Give back every compressed layer's tail room beyond the tokens appended (``CompressedLayer.compact``)."""

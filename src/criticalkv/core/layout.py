@@ -136,11 +136,16 @@ class StageLength:
     """
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        return super().get_seq_length(self.held_layer_index(layer_idx))
+
+    def held_layer_index(self, layer_idx: int) -> int:
+        """``layer_idx``, or past a ``DummyLayer`` the first layer this stage holds (none held: ``len(layers)``,
+        past the last layer, where transformers answers a length of 0)."""
         layers = self.layers
         if layer_idx < len(layers) and isinstance(layers[layer_idx], DummyLayer):
             held = (i for i, layer in enumerate(layers) if not isinstance(layer, DummyLayer))
-            layer_idx = next(held, len(layers))  # none held: transformers' answer past the last layer, 0
-        return super().get_seq_length(layer_idx)
+            return next(held, len(layers))
+        return layer_idx
 
 
 @dataclass(frozen=True)
