@@ -1,4 +1,5 @@
-"""The pure helpers of the kvpress comparison benchmarks (benchmarks/speed_memory.py, quality_vs_kvpress.py)."""
+"""The pure helpers of the benchmarks (the kvpress comparisons: speed_memory.py, quality_vs_kvpress.py; and
+compare_sweeps.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "kvpress"))
 
+from compare_sweeps import compare
 from plot_benchmarks import (
     answer_cells,
     compression_table,
@@ -735,3 +737,28 @@ def test_rerun_under_starts_the_script_again_under_the_allocator_once(tmp_path: 
     # already under the marker (the run again): no exec, the marker's setting, the environment as it is
     printed = lines("retain", {**environment, "TEST_RERUN": "mmap"})
     assert printed[0] == "started" and json.loads(printed[1]) == ["mmap", ["retain"], {}, 0]
+
+
+def test_compare_sweeps_pairs_the_samples_both_folders_answered(tmp_path):
+    import json
+    from dataclasses import asdict
+
+    from criticalkv.eval.sweep import Row
+
+    def folder(name, scores):
+        path = tmp_path / name
+        path.mkdir()
+        rows = [Row(t, i, "aware", m, b, s, "", 100, 1.0) for (t, i, m, b), s in scores.items()]
+        (path / "results.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in rows))
+        return path
+
+    one_shot = {("a", 0, "full", 1.0): 100.0, ("a", 1, "full", 1.0): 50.0, ("b", 0, "full", 1.0): 0.0}
+    one_shot |= {("a", 0, "snapkv", 1024): 100.0, ("a", 1, "snapkv", 1024): 0.0, ("b", 0, "snapkv", 1024): 0.0}
+    chunked = {("a", 0, "full", 1.0): 100.0, ("a", 1, "full", 1.0): 50.0}  # b #0 not answered yet
+    chunked |= {("a", 0, "snapkv", 1024): 0.0, ("a", 1, "snapkv", 1024): 0.0, ("c", 0, "snapkv", 1024): 100.0}
+    entries = {e["method"]: e for e in compare(folder("one-shot", one_shot), folder("chunked", chunked))}
+    assert entries["full"]["samples"] == 2 and entries["full"]["difference"] == 0.0
+    assert entries["full"]["interval"] == (0.0, 0.0)
+    snap = entries["snapkv"]
+    assert snap["budget"] == "1024" and snap["samples"] == 2 and snap["means"] == [50.0, 0.0]
+    assert snap["difference"] == -50.0 and snap["interval"][0] <= -50.0 <= snap["interval"][1]

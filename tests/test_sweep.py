@@ -111,7 +111,8 @@ def test_report_tables_and_loss(tmp_path):
     assert by_method["snapkv"]["loss"] == 0.5 and by_method["critical-snapkv"]["loss"] == 0.25
     report = write_report(tmp_path, "toy")
     text = report.read_text()
-    assert "| snapkv | 0.2 | 40.0 | 40.0 | 40.0 | 50.0% |" in text
+    assert "| snapkv | 0.2 | 40.0 | 40.0 | 40.0 | 50.0% (50.0-50.0) |" in text  # every sample alike: no spread
+    assert "| critical-snapkv | snapkv | 0.2 | 0.50 (0.50-0.50) |" in text
     assert (tmp_path / "score_vs_budget_agnostic.png").stat().st_size > 1000
     assert "Samples per task: 2." in text
     assert "![compression loss, question-agnostic](loss_agnostic.png)" in text
@@ -149,7 +150,7 @@ def test_report_names_each_rows_samples_when_they_differ(tmp_path):
     assert "Samples per task: per row (column samples)." in text
     assert "| method | budget | samples | a | b | mean | loss |" in text
     assert "| full |  | 2 | 100.0 | 100.0 | 100.0 |  |" in text
-    assert "| snapkv | 0.2 | 1-2 | 0.0 | 0.0 | 0.0 | 100.0% |" in text
+    assert "| snapkv | 0.2 | 1-2 | 0.0 | 0.0 | 0.0 | 100.0% (100.0-100.0) |" in text
 
 
 def test_report_marks_a_row_that_answered_only_some_tasks(tmp_path):
@@ -161,7 +162,7 @@ def test_report_marks_a_row_that_answered_only_some_tasks(tmp_path):
     text = write_report(tmp_path).read_text()
     assert "| method | budget | samples | a | b | c | mean | loss |" in text
     assert "| full |  | 2 | 100.0 | 100.0 | 100.0 | 100.0 |  |" in text
-    assert "| snapkv | 0.2 | 0-2 | 50.0 | – | – | 50.0* | 50.0% |" in text
+    assert "| snapkv | 0.2 | 0-2 | 50.0 | – | – | 50.0* | 50.0% (50.0-50.0) |" in text
     assert "the mean of the tasks the row answered" in text and "nan" not in text
 
 

@@ -11,6 +11,7 @@ from statistics import mean
 from matplotlib.figure import Figure
 
 from criticalkv.errors import CriticalKVError
+from criticalkv.eval.intervals import LEVEL, loss_interval, loss_ratio
 from criticalkv.eval.sweep import Row, budget_id, is_count, load_rows, stored_settings
 from criticalkv.files import write_atomic, write_json
 from criticalkv.palette import distinct_colours
@@ -24,10 +25,12 @@ def file_stem(*parts: str) -> str:
 
 
 def summarise(rows: list[Row]) -> dict:
-    """Mean score per (regime, method, budget, task), the mean over tasks, and the compression loss.
+    """Mean score per (regime, method, budget, task), the mean over tasks, the compression loss with its bootstrap
+    interval, and the loss ratio of every CriticalKV variant to its base method at the same budget (``loss_ratios``).
 
     loss = (full - method) / full on the same samples, per regime (evaluation.md): where a pair answered only some
-    samples (a run in progress, merged folders), the full cache's mean is taken over those samples alone.
+    samples (a run in progress, merged folders), the full cache's mean is taken over those samples alone. Intervals:
+    ``intervals.py`` (task-stratified, paired bootstrap over samples).
 
     A sample answered twice by one pair (folders that resumed runs appended to before the sweep answered only
     missing pairs) counts once; two different scores for it raise ``CriticalKVError``.
@@ -68,7 +71,28 @@ def summarise(rows: list[Row]) -> dict:
             )
         )
         entry["loss"] = None if not reference else (reference - entry["mean"]) / reference
-    return {"tasks": tasks, "rows": sorted(table.values(), key=_order)}
+        scores = answered[(entry["regime"], entry["method"], budget_id(entry["budget"]))]
+        entry["loss_interval"] = None if not reference else loss_interval(_full_of(answered, entry["regime"]), scores)
+    return {"tasks": tasks, "rows": sorted(table.values(), key=_order), "loss_ratios": _loss_ratios(answered)}
+
+
+def _full_of(answered: dict[tuple, dict], regime: str) -> dict[tuple[str, int], float] | None:
+    """The full cache's scores in ``regime``, None if it has none."""
+    return next((s for (r, method, _), s in answered.items() if r == regime and method == "full"), None)
+
+
+def _loss_ratios(answered: dict[tuple, dict]) -> list[dict]:
+    """Per regime and budget, each CriticalKV variant's loss over its base method's (``intervals.loss_ratio``), where
+    both and the full cache answered."""
+    ratios = []
+    for (regime, method, budget), scores in sorted(answered.items(), key=str):
+        base, full = answered.get((regime, _base(method), budget)), _full_of(answered, regime)
+        if not method.startswith("critical-") or base is None or full is None:
+            continue
+        point, interval = loss_ratio(full, base, scores)
+        entry = {"regime": regime, "method": method, "base": _base(method), "budget": budget[1]}
+        ratios.append(entry | {"ratio": point, "interval": interval})
+    return ratios
 
 
 def _natural(name: str) -> list:
@@ -127,7 +151,7 @@ def write_report(results_dir: Path, title: str = "") -> Path:
     write_json(results_dir / "summary.json", summary, indent=2)
     with (results_dir / "summary.csv").open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["regime", "method", "budget", *tasks, "mean", "loss"])
+        writer.writerow(["regime", "method", "budget", *tasks, "mean", "loss", "loss_low", "loss_high"])
         for e in summary["rows"]:
             writer.writerow(
                 [
@@ -136,7 +160,10 @@ def write_report(results_dir: Path, title: str = "") -> Path:
                     e["budget"],
                     *(f"{e['tasks'].get(t, float('nan')):.2f}" for t in tasks),
                     f"{e['mean']:.2f}",
-                    "" if e["loss"] is None else f"{e['loss']:.4f}",
+                    *(
+                        "" if value is None else f"{value:.4f}"
+                        for value in (e["loss"], *(e["loss_interval"] or [None] * 2))
+                    ),
                 ]
             )
     title = title or sweep_title(stored_settings(results_dir), {e["regime"] for e in summary["rows"]})
@@ -150,13 +177,14 @@ def write_report(results_dir: Path, title: str = "") -> Path:
         lines += [
             f"## question-{regime}",
             "",
-            f"Samples per task: {per_task}. Loss: (full - method) / full, on the same samples.",
+            f"Samples per task: {per_task}. Loss: (full - method) / full, on the same samples; in brackets its "
+            f"{LEVEL:.0%} bootstrap interval over samples.",
             "",
             "| method | budget | " + "samples | " * mixed + " | ".join(tasks) + " | mean | loss |",
             "|---|---|" + "---|" * (len(tasks) + 2 + mixed),
         ]
         for e in entries:
-            loss = "" if e["loss"] is None or e["method"] == "full" else f"{100 * e['loss']:.1f}%"
+            loss = "" if e["loss"] is None or e["method"] == "full" else _percent(e["loss"], e["loss_interval"])
             cells = " | ".join(f"{e['tasks'][t]:.1f}" if t in e["tasks"] else "–" for t in tasks)
             budget = "" if e["method"] == "full" else str(e["budget"])
             samples = f"{_sample_count(e, tasks)} | " * mixed
@@ -168,7 +196,7 @@ def write_report(results_dir: Path, title: str = "") -> Path:
                 "\\* the mean of the tasks the row answered (–: none), not comparable with the full rows' "
                 "mean; its loss compares the same samples.",
             ]
-        lines.append("")
+        lines += ["", *_ratio_table([r for r in summary["loss_ratios"] if r["regime"] == regime])]
         _plot_regime(summary, regime, results_dir / f"score_vs_budget_{regime}.png")
         lines += [f"![score against budget, question-{regime}](score_vs_budget_{regime}.png)", ""]
         if _plot_loss(summary, regime, results_dir / f"loss_{regime}.png"):
@@ -179,6 +207,30 @@ def write_report(results_dir: Path, title: str = "") -> Path:
     path = results_dir / "report.md"
     write_atomic(path, "\n".join(lines))
     return path
+
+
+def _percent(value: float, interval: tuple[float, float] | None) -> str:
+    """``37.7% (33.1-42.0)``: a loss and its interval, in percent."""
+    bracket = "" if interval is None else f" ({100 * interval[0]:.1f}-{100 * interval[1]:.1f})"
+    return f"{100 * value:.1f}%{bracket}"
+
+
+def _ratio_table(ratios: list[dict]) -> list[str]:
+    """Report lines of the loss ratios of a regime (none without a CriticalKV variant beside its base)."""
+    if not ratios:
+        return []
+    lines = [
+        f"Loss ratio of each CriticalKV variant to its base method (below 0.5: the loss cut by more than half), "
+        f"{LEVEL:.0%} bootstrap interval; n/a where the base loses nothing (in some resample, for the interval).",
+        "",
+        "| variant | base | budget | loss ratio |",
+        "|---|---|---|---|",
+    ]
+    for r in ratios:
+        point = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        interval = "n/a" if r["interval"] is None else f"{r['interval'][0]:.2f}-{r['interval'][1]:.2f}"
+        lines.append(f"| {r['method']} | {r['base']} | {r['budget']} | {point} ({interval}) |")
+    return [*lines, ""]
 
 
 def _plot_regime(summary: dict, regime: str, path: Path) -> Figure:
