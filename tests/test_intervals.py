@@ -135,3 +135,17 @@ def test_intervals_are_the_same_on_every_run():
     full, method = _scores(11), _scores(12)
     assert loss_interval(full, method) == loss_interval(full, method)
     assert intervals.SEED == 0 and intervals.RESAMPLES >= 1000
+
+
+def test_the_report_says_n_a_where_the_full_cache_scores_0_in_some_resample(tmp_path):
+    import json
+    from dataclasses import asdict
+
+    from criticalkv.eval.report import write_report
+
+    rows = [Row("needle", i, "aware", "full", 1.0, s, "", 100, 1.0) for i, s in enumerate((100.0, 0.0, 100.0))]
+    rows += [Row("needle", i, "aware", "snapkv", 1024, s, "", 100, 0.3) for i, s in enumerate((100.0, 0.0, 0.0))]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in rows))
+    summary = summarise(rows)
+    assert {e["method"]: e["loss_interval"] for e in summary["rows"]}["snapkv"] is None  # (0, 0, 0) full is drawn
+    assert "| snapkv | 1024 | 33.3 | 33.3 | 50.0% (n/a) |" in write_report(tmp_path).read_text()

@@ -178,7 +178,7 @@ def write_report(results_dir: Path, title: str = "") -> Path:
             f"## question-{regime}",
             "",
             f"Samples per task: {per_task}. Loss: (full - method) / full, on the same samples; in brackets its "
-            f"{LEVEL:.0%} bootstrap interval over samples.",
+            f"{LEVEL:.0%} bootstrap interval over samples (n/a where the full cache scores 0 in some resample).",
             "",
             "| method | budget | " + "samples | " * mixed + " | ".join(tasks) + " | mean | loss |",
             "|---|---|" + "---|" * (len(tasks) + 2 + mixed),
@@ -211,7 +211,7 @@ def write_report(results_dir: Path, title: str = "") -> Path:
 
 def _percent(value: float, interval: tuple[float, float] | None) -> str:
     """``37.7% (33.1-42.0)``: a loss and its interval, in percent."""
-    bracket = "" if interval is None else f" ({100 * interval[0]:.1f}-{100 * interval[1]:.1f})"
+    bracket = " (n/a)" if interval is None else f" ({100 * interval[0]:.1f}-{100 * interval[1]:.1f})"
     return f"{100 * value:.1f}%{bracket}"
 
 
