@@ -12,44 +12,31 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
 from pathlib import Path
 
-from criticalkv.eval.intervals import difference, task_means
+from criticalkv.eval.intervals import common_samples, difference, task_means
+from criticalkv.eval.report import answered_scores
 from criticalkv.eval.sweep import load_rows, stored_settings
-
-
-def scores_by_pair(folder: Path) -> dict[tuple[str, str, str], dict[tuple[str, int], float]]:
-    """(regime, method, budget as written) -> {(task, index): score} of a sweep folder."""
-    pairs: dict[tuple[str, str, str], dict[tuple[str, int], float]] = defaultdict(dict)
-    for row in load_rows(folder / "results.jsonl"):
-        budget = "full" if row.method == "full" else str(row.budget)
-        pairs[(row.regime, row.method, budget)][(row.task, row.index)] = row.score
-    return pairs
 
 
 def compare(first: Path, second: Path) -> list[dict]:
     """One entry per pair both folders answered: the means on their common samples and the paired difference."""
-    a, b = scores_by_pair(first), scores_by_pair(second)
+    a, b = (answered_scores(load_rows(folder / "results.jsonl")) for folder in (first, second))
     entries = []
-    for key in sorted(set(a) & set(b), key=lambda k: (k[0], k[1] != "full", k[1], k[2])):
-        common = set(a[key]) & set(b[key])
-        if not common:
+    for key in sorted(set(a) & set(b), key=lambda k: (k[0], k[1] != "full", k[1], k[2][1])):
+        if not set(a[key]) & set(b[key]):
             continue
-        means = task_means([a[key], b[key]]).tolist()
+        counts = [len(keys) for keys in common_samples([a[key], b[key]]).values()]
         delta, interval = difference(a[key], b[key])
-        regime, method, budget = key
-        per_task = defaultdict(int)
-        for task, _ in common:
-            per_task[task] += 1
+        regime, method, (_, budget) = key
         entries.append(
             {
                 "regime": regime,
                 "method": method,
-                "budget": budget,
-                "samples": len(common),
-                "samples_per_task": f"{min(per_task.values())}-{max(per_task.values())}",
-                "means": means,
+                "budget": "full" if method == "full" else str(budget),
+                "samples": sum(counts),
+                "samples_per_task": f"{min(counts)}-{max(counts)}",
+                "means": task_means([a[key], b[key]]).tolist(),
                 "difference": delta,
                 "interval": interval,
             }

@@ -35,24 +35,27 @@ def common_samples(columns: list[Scores]) -> dict[str, list[tuple[str, int]]]:
     return dict(sorted(by_task.items()))
 
 
+def _task_tables(columns: list[Scores]) -> list[torch.Tensor]:
+    """Per task (sorted), the columns' scores on their common samples: (n_task, columns) float64 each."""
+    by_task = common_samples(columns)
+    return [torch.tensor([[c[k] for c in columns] for k in keys], dtype=torch.float64) for keys in by_task.values()]
+
+
 def task_means(columns: list[Scores]) -> torch.Tensor:
     """The mean over tasks of per-task means of each column on their common samples: (columns,) float64."""
-    by_task = common_samples(columns)
-    per_task = [torch.tensor([[c[k] for c in columns] for k in keys], dtype=torch.float64) for keys in by_task.values()]
-    return torch.stack([table.mean(0) for table in per_task]).mean(0)
+    return torch.stack([table.mean(0) for table in _task_tables(columns)]).mean(0)
 
 
 def resampled_means(columns: list[Scores], resamples: int = RESAMPLES, seed: int = SEED) -> torch.Tensor:
     """``task_means`` of ``resamples`` task-stratified bootstrap resamples of the common samples, the same resampled
     keys for every column: (resamples, columns) float64."""
-    by_task = common_samples(columns)
+    tables = _task_tables(columns)
     generator = torch.Generator().manual_seed(seed)
     total = torch.zeros(resamples, len(columns), dtype=torch.float64)
-    for keys in by_task.values():
-        table = torch.tensor([[c[k] for c in columns] for k in keys], dtype=torch.float64)  # (n, columns)
-        draws = torch.randint(len(keys), (resamples, len(keys)), generator=generator)  # (resamples, n)
+    for table in tables:  # (n, columns)
+        draws = torch.randint(len(table), (resamples, len(table)), generator=generator)  # (resamples, n)
         total += table[draws].mean(1)  # (resamples, columns)
-    return total / len(by_task)
+    return total / len(tables)
 
 
 def percentile_interval(figures: torch.Tensor) -> Interval | None:

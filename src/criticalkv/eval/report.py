@@ -35,14 +35,7 @@ def summarise(rows: list[Row]) -> dict:
     A sample answered twice by one pair (folders that resumed runs appended to before the sweep answered only
     missing pairs) counts once; two different scores for it raise ``CriticalKVError``.
     """
-    # (regime, method, budget) -> scores; a budget keyed with its kind: a count of 1 entry is not the fraction 1.0
-    answered: dict[tuple, dict[tuple[str, int], float]] = defaultdict(dict)
-    for r in rows:
-        if answered[(r.regime, r.method, budget_id(r.budget))].setdefault((r.task, r.index), r.score) != r.score:
-            raise CriticalKVError(
-                f"{r.task} sample {r.index} is scored twice for {r.method} at {r.budget} ({r.regime}), differently:"
-                " the folder mixes runs of other settings or code"
-            )
+    answered = answered_scores(rows)
     by_key: dict[tuple, list[float]] = defaultdict(list)
     for (regime, method, budget), scores in answered.items():
         for (task, _), score in scores.items():
@@ -61,19 +54,25 @@ def summarise(rows: list[Row]) -> dict:
     for entry in table.values():
         entry["mean"] = mean(entry["tasks"].values())
     for entry in table.values():
-        full = next((e for e in table.values() if e["regime"] == entry["regime"] and e["method"] == "full"), None)
-        reference = (
-            None
-            if full is None
-            else _mean_over_tasks(
-                answered[(full["regime"], "full", budget_id(full["budget"]))],
-                answered[(entry["regime"], entry["method"], budget_id(entry["budget"]))],
-            )
-        )
-        entry["loss"] = None if not reference else (reference - entry["mean"]) / reference
+        full = _full_of(answered, entry["regime"])
         scores = answered[(entry["regime"], entry["method"], budget_id(entry["budget"]))]
-        entry["loss_interval"] = None if not reference else loss_interval(_full_of(answered, entry["regime"]), scores)
+        reference = None if full is None else _mean_over_tasks(full, scores)
+        entry["loss"] = None if not reference else (reference - entry["mean"]) / reference
+        entry["loss_interval"] = None if not reference else loss_interval(full, scores)
     return {"tasks": tasks, "rows": sorted(table.values(), key=_order), "loss_ratios": _loss_ratios(answered)}
+
+
+def answered_scores(rows: list[Row]) -> dict[tuple, dict[tuple[str, int], float]]:
+    """(regime, method, budget key) -> {(task, index): score}: a budget keyed with its kind (``budget_id``: a count of
+    1 entry is not the fraction 1.0). A sample scored twice alike counts once; differently, ``CriticalKVError``."""
+    answered: dict[tuple, dict[tuple[str, int], float]] = defaultdict(dict)
+    for r in rows:
+        if answered[(r.regime, r.method, budget_id(r.budget))].setdefault((r.task, r.index), r.score) != r.score:
+            raise CriticalKVError(
+                f"{r.task} sample {r.index} is scored twice for {r.method} at {r.budget} ({r.regime}), differently:"
+                " the folder mixes runs of other settings or code"
+            )
+    return answered
 
 
 def _full_of(answered: dict[tuple, dict], regime: str) -> dict[tuple[str, int], float] | None:
@@ -86,8 +85,10 @@ def _loss_ratios(answered: dict[tuple, dict]) -> list[dict]:
     both and the full cache answered."""
     ratios = []
     for (regime, method, budget), scores in sorted(answered.items(), key=str):
+        if not method.startswith("critical-"):
+            continue
         base, full = answered.get((regime, _base(method), budget)), _full_of(answered, regime)
-        if not method.startswith("critical-") or base is None or full is None:
+        if base is None or full is None:
             continue
         point, interval = loss_ratio(full, base, scores)
         entry = {"regime": regime, "method": method, "base": _base(method), "budget": budget[1]}
