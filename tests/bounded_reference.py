@@ -73,7 +73,9 @@ class Tracker:
         b, h = layer.lengths.shape if layer.is_compressed else layer.keys.shape[:2]
         held = torch.ones(b, h, layer.seen, dtype=torch.bool)
         if layer.is_compressed:
-            held[:, :, : layer.context_seen] = self.positions[id(layer)]
+            positions = self.positions[id(layer)]  # a guided chunk's refill also flagged its guide's positions, after
+            assert not bool(positions[..., layer.context_seen :].any())  # context_seen: never kept
+            held[:, :, : layer.context_seen] = positions[..., : layer.context_seen]
         return held
 
     def _refilled(self, layer: CompressedLayer, keep: torch.Tensor) -> torch.Tensor:
@@ -123,6 +125,11 @@ class Tracker:
         try:
             with torch.no_grad():
                 for forward in self.forwards:
+                    seen = forward["mask"].shape[1] - forward["ids"].shape[1] if forward["mask"] is not None else None
+                    if seen is not None and cache.get_seq_length() > seen:
+                        cache.crop(
+                            seen - cache.get_seq_length()
+                        )  # a guide's tokens (prefill_in_chunks' guide_ids) left the compressed cache
                     _ALLOWED.clear()
                     _ALLOWED.update(forward["before"])
                     result = model(

@@ -81,3 +81,18 @@ def save_random_llama(folder: Path, tokenizer, **shape) -> Path:
     LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), **shape)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A random 1-layer Llama folder with room for 128 positions only."""
+    return save_random_llama(
+        tmp_path_factory.mktemp("short-llama"),
+        tiny_tokenizer,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+    )

@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 from bounded_reference import Tracker
-from conftest import save_random_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_allocators import _profile
@@ -225,20 +224,6 @@ def test_what_cannot_run_in_chunks_is_refused_by_name(method, options, words):
         ContextSession(model, method, chunk_size=8, **options)
     with pytest.raises(BoundedMemoryError, match="cap applies"):
         ContextSession(model, "snapkv", cap=8)
-
-
-@pytest.fixture(scope="module")
-def short_model(tmp_path_factory, tiny_tokenizer):
-    return save_random_llama(
-        tmp_path_factory.mktemp("short-llama"),
-        tiny_tokenizer,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-    )
 
 
 def test_run_prefills_in_chunks_and_compresses_while_answering(short_model, tmp_path):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -136,21 +135,6 @@ def test_run_json_folder_created_before_loading(tmp_path, monkeypatch):
 )
 def test_nonsense_counts_refused(no_model, args, message):
     _refused(args, message)
-
-
-@pytest.fixture(scope="module")
-def short_model(tmp_path_factory, tiny_tokenizer) -> Path:
-    """A random 1-layer Llama folder with room for 128 positions only."""
-    return save_random_llama(
-        tmp_path_factory.mktemp("short-llama"),
-        tiny_tokenizer,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-    )
 
 
 def test_run_on_a_family_without_sdpa_loads_it_with_eager_attention(tmp_path, tiny_tokenizer):

@@ -21,7 +21,7 @@ from criticalkv.budget import Budget
 from criticalkv.core.layout import ParallelLayout
 from criticalkv.distributed import launch
 from criticalkv.errors import CriticalKVError
-from criticalkv.eval.bounded import Bounded, CapOption, ChunkSizeOption, CompressEveryOption
+from criticalkv.eval.bounded import Bounded, CapOption, ChunkSizeOption, CompressEveryOption, GuideChunksOption
 from criticalkv.eval.commands import ModeOption, at_least, parse_numbers, regime_line, regime_of, split_items
 from criticalkv.eval.commands import app as eval_app
 from criticalkv.files import write_json
@@ -295,6 +295,7 @@ def run(
     chunk_size: ChunkSizeOption = None,
     cap: CapOption = None,
     compress_every: CompressEveryOption = None,
+    guide_chunks: GuideChunksOption = False,
 ) -> None:
     """Answer questions about a long document with the full cache and with compressed caches, side by side."""
     try:
@@ -313,7 +314,7 @@ def run(
             device,
             option or [],
             json_path,
-            Bounded(chunk_size, cap, compress_every),
+            Bounded(chunk_size, cap, compress_every, guide_chunks),
         )
     except CriticalKVError as error:
         print_error(console, error)
@@ -338,6 +339,7 @@ def _run(
     bounded: Bounded,
 ) -> None:
     mode = regime_of(mode, question_aware=False)  # DEFAULT_MODE when not given, as eval's --mode
+    bounded.check_guide(mode)
     at_least(max_new_tokens, 1, "--max-new-tokens")
     named = split_items(method, "--method (--methods)")
     if not named:
@@ -347,7 +349,7 @@ def _run(
     parsed_budget = Budget.parse(budget)
     built = [build_method(name, **options) for name in methods_[1:]]  # a bad name or option fails before the load
     for name, built_method in zip(methods_[1:], built, strict=True):  # bounded options, checked before the load
-        if rolling_budget(name, parsed_budget, *bounded)[1] is not None:
+        if rolling_budget(name, parsed_budget, *bounded.schedule)[1] is not None:
             check_rolling_method(built_method)
     if json_path is not None:
         _writable(json_path)
@@ -399,7 +401,7 @@ def _run(
     eos = tokenizer.eos_token_id
     for name in methods_:  # every compressing method is checked against the model before the first prefill
         if name != "full":
-            bounded_compressor(model, name, parsed_budget, *bounded, options)
+            bounded_compressor(model, name, parsed_budget, *bounded.schedule, options)
     results: list[RunResult] = []
     full_by_question: dict[str, tuple[int, int]] = {}
     for name in methods_:
@@ -407,8 +409,9 @@ def _run(
         for index, ((q, expected, _), (prefix_ids, suffix_ids)) in enumerate(zip(asked, encoded, strict=True)):
             if mode == "aware" or index == 0:
                 prompt = prefix_ids + suffix_ids if mode == "aware" else prefix_ids
+                guide = torch.tensor([suffix_ids], device=device) if bounded.guide_chunks else None
                 with layer_progress(model, f"{name}: prefill {len(prompt)} tokens"):
-                    session.prefill(torch.tensor([prompt], device=device))
+                    session.prefill(torch.tensor([prompt], device=device), guide_ids=guide)
                 rank_bytes = [int(n) for n in layout.gather(session.kv_bytes())]
                 kv_bytes, entries = layout.total(session.kv_bytes()), layout.total(session.kv_entries())
                 kept_whole = layout.total(

@@ -213,10 +213,10 @@ def criticalkv_attention(
             out, weights = probe.attend(module, query, key, value, attention_mask, scaling, run_base, sdpa)
         else:
             out, weights = run_base()
-    new_prompt = layer is not None and layer.fresh
-    if new_prompt:
-        compressor.compress_layer(module, query, key, value, attention_mask, scaling, layer)
     rolling = compressor.rolling  # compressing again after each chunk / every N tokens (runtime.rolling)
+    new_prompt = layer is not None and layer.fresh
+    if new_prompt and not (rolling is not None and rolling.holding):  # held: the chunk's guide compresses it
+        compressor.compress_layer(module, query, key, value, attention_mask, scaling, layer)
     if layer is not None and rolling is not None:
         rolling.observe(compressor, module, query, attention_mask, scaling, layer, new_prompt)
     return out, weights

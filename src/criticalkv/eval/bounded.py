@@ -28,19 +28,45 @@ CompressEveryOption = Annotated[
     int | None,
     typer.Option(help="While answering, compress back to the cap every this many generated tokens."),
 ]
+GuideChunksOption = Annotated[
+    bool,
+    typer.Option(
+        help="Question-aware chunked prefill: every chunk but the last is scored by the question's queries, run "
+        "after it and never kept, instead of the chunk's own last queries (docs/guide.md)."
+    ),
+]
 
 
 class Bounded(NamedTuple):
-    """The three options as given (None: not given); unpacks as ``bounded_compressor``'s arguments."""
+    """The options as given (None, False: not given)."""
 
     chunk_size: int | None = None
     cap: int | None = None
     compress_every: int | None = None
+    guide_chunks: bool = False
+
+    @property
+    def schedule(self) -> tuple[int | None, int | None, int | None]:
+        """Chunk size, cap and decoding interval: ``rolling_budget``'s and ``bounded_compressor``'s arguments."""
+        return self.chunk_size, self.cap, self.compress_every
 
     @property
     def options(self) -> dict[str, int]:
-        """The given options, as keyword arguments of ``ContextSession``."""
-        return {name: value for name, value in self._asdict().items() if value is not None}
+        """The given schedule, as keyword arguments of ``ContextSession``."""
+        names = ("chunk_size", "cap", "compress_every")
+        return {name: value for name, value in zip(names, self.schedule, strict=True) if value is not None}
+
+    def check_guide(self, regime: str) -> None:
+        """Refuse ``--guide-chunks`` where there is no question to guide with or no chunk to guide."""
+        if not self.guide_chunks:
+            return
+        if self.chunk_size is None:
+            raise BoundedMemoryError("--guide-chunks scores the chunks of a chunked prefill: give --chunk-size")
+        if regime != "aware":
+            raise BoundedMemoryError(
+                "--guide-chunks scores each chunk with the question, which the question-agnostic regime does not "
+                "know while it prefills: use --mode aware"
+            )
 
     def budgets(self, budgets: list[Budget]) -> list[Budget]:
         """A sweep's budgets: ``[Budget(cap)]`` when a cap is given (a sweep names its pairs by budget, so the cap
@@ -62,4 +88,5 @@ class Bounded(NamedTuple):
     @property
     def setting(self) -> dict[str, dict[str, int]]:
         """``{"bounded": options}`` for a JSON report or a sweep's settings, or nothing when none is given."""
-        return {"bounded": self.options} if self.options else {}
+        guided = {"guide_chunks": True} if self.guide_chunks else {}  # absent: the settings made before it
+        return {"bounded": {**self.options, **guided}} if self.options else {}

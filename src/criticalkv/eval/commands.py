@@ -15,7 +15,7 @@ import typer
 from criticalkv.budget import Budget
 from criticalkv.distributed import launch
 from criticalkv.errors import CriticalKVError, did_you_mean
-from criticalkv.eval.bounded import Bounded, CapOption, ChunkSizeOption, CompressEveryOption
+from criticalkv.eval.bounded import Bounded, CapOption, ChunkSizeOption, CompressEveryOption, GuideChunksOption
 from criticalkv.eval.report import HEATMAP_PREFIX, file_stem, write_report
 from criticalkv.eval.sweep import REGIMES, check_out_folder, load_rows, pair_label, run_sweep, stored_settings
 from criticalkv.files import write_json
@@ -209,6 +209,7 @@ def ruler(
     chunk_size: ChunkSizeOption = None,
     cap: CapOption = None,
     compress_every: CompressEveryOption = None,
+    guide_chunks: GuideChunksOption = False,
 ) -> None:
     """RULER's 13 tasks: every method and budget against the full cache, with compression loss."""
     from criticalkv.eval import ruler as ruler_data
@@ -243,7 +244,7 @@ def ruler(
         batch_answers,
         dtype,
         device,
-        (chunk_size, cap, compress_every),
+        Bounded(chunk_size, cap, compress_every, guide_chunks),
     )
 
 
@@ -266,6 +267,7 @@ def facts(
     chunk_size: ChunkSizeOption = None,
     cap: CapOption = None,
     compress_every: CompressEveryOption = None,
+    guide_chunks: GuideChunksOption = False,
 ) -> None:
     """The facts benchmark (RULER's check on other text and phrasing): every method and budget against the full
     cache, with compression loss."""
@@ -299,7 +301,7 @@ def facts(
         batch_answers,
         dtype,
         device,
-        (chunk_size, cap, compress_every),
+        Bounded(chunk_size, cap, compress_every, guide_chunks),
     )
 
 
@@ -332,7 +334,7 @@ def _sweep_generated(
     batch_answers: bool,
     dtype: str,
     device: str,
-    bounded_options: tuple[int | None, int | None, int | None],  # chunk size, cap, compress every
+    bounded: Bounded,
 ) -> None:
     """Generate ``benchmark``'s samples once the tokenizer is known (index-major: sample 0 of every task, then sample
     1, ...: a sweep stopped early has every task evenly), then sweep them into a resumable folder and report."""
@@ -347,10 +349,10 @@ def _sweep_generated(
                 f"unknown {benchmark.title} task(s) {unknown}.{did_you_mean(unknown[0], benchmark.tasks)} "
                 f"Tasks: {', '.join(benchmark.tasks)}"
             )
-        bounded = Bounded(*bounded_options)
         parsed = bounded.budgets(_budgets(budgets))
         names, built = _methods(methods)
         regime = regime_of(mode, question_aware)
+        bounded.check_guide(regime)
         if launch.is_main_process():
             console.print(regime_line(regime))
         folder = out or Path("results") / f"{benchmark.name}-{Path(model).name}-{length}-{regime}"
@@ -380,6 +382,7 @@ def _sweep_generated(
                 total=len(chosen) * samples,
                 batch_answers=batch_answers,
                 bounded=bounded.options,
+                guide_chunks=bounded.guide_chunks,
                 settings={
                     **bounded.setting,
                     "benchmark": benchmark.name,
@@ -436,15 +439,17 @@ def needle(
     chunk_size: ChunkSizeOption = None,
     cap: CapOption = None,
     compress_every: CompressEveryOption = None,
+    guide_chunks: GuideChunksOption = False,
 ) -> None:
     """Needle in a haystack over depths x lengths: one heatmap per method and budget."""
     from criticalkv.eval.needle_grid import check_grid, needle_grid, plot_heatmap
 
     try:
-        bounded = Bounded(chunk_size, cap, compress_every)
+        bounded = Bounded(chunk_size, cap, compress_every, guide_chunks)
         parsed = bounded.budgets(_budgets(budgets))
         names, built = _methods(methods)
         regime = regime_of(mode, question_aware)
+        bounded.check_guide(regime)
         if launch.is_main_process():
             console.print(regime_line(regime))
         folder = out or Path("results") / f"needle-{Path(model).name}-{regime}"
@@ -479,6 +484,7 @@ def needle(
                 total=len(items),
                 batch_answers=batch_answers,
                 bounded=bounded.options,
+                guide_chunks=bounded.guide_chunks,
                 # a sample's index is its cell in the lengths x depths grid
                 settings={
                     **bounded.setting,
@@ -531,6 +537,7 @@ def longbench(
     chunk_size: ChunkSizeOption = None,
     cap: CapOption = None,
     compress_every: CompressEveryOption = None,
+    guide_chunks: GuideChunksOption = False,
 ) -> None:
     """LongBench v1 (English and code) from local files: THUDM's prompts, truncation and metrics, every method and
     budget against the full cache."""
@@ -542,10 +549,11 @@ def longbench(
         at_least(max_length, 1, "--max-length")
         at_least(max_new_tokens, 0, "--max-new-tokens")
         groups = longbench_run.read_datasets(data, split_items(datasets, "--datasets"))
-        bounded = Bounded(chunk_size, cap, compress_every)
+        bounded = Bounded(chunk_size, cap, compress_every, guide_chunks)
         parsed = bounded.budgets(_budgets(budgets))
         names, built = _methods(methods)
         regime = regime_of(mode, question_aware)
+        bounded.check_guide(regime)
         if launch.is_main_process():
             console.print(regime_line(regime))
         folder = out or Path("results") / f"longbench-{Path(model).name}-{max_length}-{regime}"
@@ -575,6 +583,7 @@ def longbench(
                 total=len(items),
                 batch_answers=batch_answers,
                 bounded=bounded.options,
+                guide_chunks=bounded.guide_chunks,
                 settings={
                     **bounded.setting,
                     "benchmark": "longbench",

@@ -116,6 +116,7 @@ def run_sweep(
     stop: Callable[[Sample], StopRule] | None = None,
     raw_predictions: bool = False,
     bounded: dict | None = None,
+    guide_chunks: bool = False,
 ) -> list[Row]:
     """Answer every sample with the full cache and every (method, budget) pair; append rows to results.jsonl.
 
@@ -137,7 +138,9 @@ def run_sweep(
     ``stop`` gives a sample's ``StopRule``; by default every answer ends at the tokenizer's end-of-sequence token.
 
     ``bounded`` (``chunk_size``, ``compress_every``; ``ContextSession``'s options): every pair, the full cache
-    included, prefills its own session in chunks instead of sharing one prefill, and compresses while answering.
+    included, prefills its own session in chunks instead of sharing one prefill, and compresses while answering;
+    with ``guide_chunks`` (question-aware), every chunk but the last is scored by the question's queries
+    (``ContextSession.prefill``'s ``guide_ids``).
 
     A prediction is the decoded answer with its surrounding whitespace stripped (RULER's and the needle's scorers
     strip it too); with ``raw_predictions`` as decoded (LongBench: THUDM scores the raw text, and the indentation of
@@ -198,6 +201,7 @@ def run_sweep(
                     batch_answers,
                     raw_predictions,
                     bounded,
+                    guide_chunks,
                 )
                 try:
                     if unrecorded is not None:  # with the first row: a run that fails before leaves no settings
@@ -256,6 +260,7 @@ def _answer(
     batch_answers: bool,
     raw_predictions: bool,
     bounded: dict | None = None,
+    guide_chunks: bool = False,
 ) -> list[Row]:
     """The rows of ``pairs`` for one sample of prompt ``ids`` (context ids, question ids); the full cache is
     prefilled in any case (the kept fractions' base)."""
@@ -265,8 +270,9 @@ def _answer(
     targets = pairs if any(label == "full" for label, _, _ in pairs) else [FULL_PAIR, *pairs]
     if bounded:  # each pair prefills in chunks on its own: no shared forward
         sessions = {label: ContextSession(model, method, budget, **bounded) for label, method, budget in targets}
+        guide = torch.tensor([suffix_ids], device=device) if guide_chunks and regime == "aware" else None
         for session in sessions.values():
-            session.prefill(torch.tensor([prompt], device=device))
+            session.prefill(torch.tensor([prompt], device=device), guide_ids=guide)
     else:
         sessions = SharedPrefill(model, targets).prefill(torch.tensor([prompt], device=device))
     full_entries = layout.total(sessions["full"].kv_entries())  # the whole model's, every rank's part counted

@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 
 from criticalkv.budget import Budget
+from criticalkv.cache.compressed_layer import CompressedLayer
 from criticalkv.core.positions import forward_on_cache
 from criticalkv.errors import BoundedMemoryError
 from criticalkv.runtime.compressor import Compressor
@@ -67,23 +68,54 @@ def prefill_in_chunks(
     cache: Cache,
     chunk_size: int,
     rolling: Rolling | None = None,
+    guide_ids: torch.Tensor | None = None,
 ) -> ModelOutput:
     """Forward input_ids (b, t) after ``cache`` (empty or not), ``attention_mask`` (b, seen + t), ``chunk_size``
     tokens at a time; ``rolling`` (the installed compressor's): compress after each chunk. Returns the last
-    chunk's output (the logits of the last position)."""
+    chunk's output (the logits of the last position).
+
+    ``guide_ids`` (b, g), with ``rolling``: every chunk but the last is compressed by a forward of these tokens
+    placed right after it (normally the question, which ends the prompt): their queries are the window a scorer
+    reads, their entries are never kept and leave the cache, so the next chunk follows at the right position. The
+    last chunk is compressed by its own last queries (the prompt's question itself). Without a guide every chunk
+    is scored by its own last queries."""
     t = input_ids.shape[1]
     seen = attention_mask.shape[1] - t
+    if guide_ids is not None and rolling is not None:
+        _check_guide(cache, guide_ids, input_ids.shape[0])
     out = None
     for start in range(0, t, chunk_size):
         end = min(start + chunk_size, t)
+        guided = guide_ids is not None and rolling is not None and end < t
         if rolling is not None:
-            rolling.prefilling = True
+            rolling.prefilling, rolling.holding = not guided, guided
         try:
             out = forward_on_cache(model, input_ids[:, start:end], attention_mask[:, : seen + end], cache)
+            if guided:
+                rolling.prefilling, rolling.holding, rolling.guide = True, False, guide_ids.shape[1]
+                guide_mask = torch.cat([attention_mask[:, : seen + end], torch.ones_like(guide_ids)], dim=1)
+                forward_on_cache(model, guide_ids, guide_mask, cache)
+                if any(layer.seen != seen + end for layer in cache.layers):
+                    raise BoundedMemoryError("a layer kept its guide's entries: the cache no longer follows the prompt")
         finally:
             if rolling is not None:
-                rolling.prefilling = False
+                rolling.prefilling, rolling.holding, rolling.guide = False, False, 0
     return out
+
+
+def _check_guide(cache: Cache, guide_ids: torch.Tensor, batch: int) -> None:
+    """Refuse a guide that is not (b, g) token ids of the prompt's batch, or a cache whose layers are not all
+    compressed ones (a sliding-window layer would keep the guide's entries)."""
+    if guide_ids.dim() != 2 or guide_ids.shape[0] != batch or guide_ids.shape[1] == 0:
+        raise BoundedMemoryError(
+            f"guide_ids must be (batch, g) token ids with g >= 1 and the prompt's batch {batch}, "
+            f"got {tuple(guide_ids.shape)}"
+        )
+    if any(not isinstance(layer, CompressedLayer) for layer in cache.layers):
+        raise BoundedMemoryError(
+            "a guided chunked prefill needs every layer compressible: this model's sliding-window layers would keep "
+            "the guide's entries (prefill without guide_ids)"
+        )
 
 
 def generate_in_chunks(compressor: Compressor, generate: Callable, args: tuple, kwargs: dict, config: object):

@@ -70,6 +70,8 @@ class Rolling:
     chunk_size: int | None = None
     every: int | None = None
     prefilling: bool = False  # a chunk's forward is running: compress after it whatever its length
+    holding: bool = False  # a chunk's forward whose compression waits for its guide (prefill_in_chunks' guide_ids)
+    guide: int = 0  # guide tokens at the end of the running forward: they score, are never kept, and leave the layer
     _rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # layer -> (b, h_q, r, d) last queries
     _checked: dict[int, int] = field(default_factory=dict, repr=False)  # layer -> its length when last compressed
     _pending: list = field(default_factory=list, repr=False)  # a cross-layer method's layers of this forward
@@ -131,17 +133,18 @@ class Rolling:
         method = compressor.method
         layer_idx = module.layer_idx
         self.remember(layer_idx, query, method.query_rows, fresh=new_prompt)
-        if new_prompt or layer.pending or not self.due(layer, layer_idx):
+        if self.holding or new_prompt or layer.pending or not self.due(layer, layer_idx):
             return
         if self._rows[layer_idx].shape[2] < min(method.query_rows, layer.seen):
             return  # rows of another batch remembered (sessions stacked after their prefill): wait for a window
         start = time.process_time()
-        self._checked[layer_idx] = layer.seen
+        self._checked[layer_idx] = layer.seen - self.guide
         item = self._view(module, attention_mask, scaling, layer)
         if method.deferred:
             self._pending.append(item)
         else:
-            self._apply(compressor, [item], method.decide_layers([item[0]], self.budget, [_scores(method, item)]))
+            scores = [_scores(method, item, self.guide)]
+            self._apply(compressor, [item], method.decide_layers([item[0]], self._budget(method, item), scores))
         compressor.compress_cpu_seconds += time.process_time() - start
 
     @torch.no_grad()
@@ -154,9 +157,18 @@ class Rolling:
         method = compressor.method
         width = max(item[0].keys.shape[2] for item in items)  # a cross-layer allocator reads one length for all
         items = [_pad_left(item, width) for item in items]
-        scores = [_scores(method, item) for item in items]
-        self._apply(compressor, items, method.decide_layers([item[0] for item in items], self.budget, scores))
+        scores = [_scores(method, item, self.guide) for item in items]
+        budget = self._budget(method, items[0])
+        self._apply(compressor, items, method.decide_layers([item[0] for item in items], budget, scores))
         compressor.compress_cpu_seconds += time.process_time() - start
+
+    def _budget(self, method: Method, item: tuple) -> Budget:
+        """The budget of a compression: the cap, plus, under a guide, the guide's positions the scorer protects (its
+        window): they are kept first and then dropped, so the cap's entries are all the chunk's and the context's."""
+        if not self.guide:
+            return self.budget
+        protected = method.scorer.protected(item[0])  # (b, T) bool
+        return Budget(self.cap + int(protected[:, protected.shape[1] - self.guide :].sum(-1).max()))
 
     def _view(
         self, module: nn.Module, attention_mask: torch.Tensor | None, scaling: float, layer: CompressedLayer
@@ -176,8 +188,13 @@ class Rolling:
     def _apply(self, compressor, items: list[tuple], decisions: list) -> None:
         for (view, layer, held), decision in zip(items, decisions, strict=True):
             keep = None if decision.keep is None else decision.keep & held  # (b, h_kv, T)
+            if self.guide:  # the guide's entries leave the layer, kept or not: the next chunk takes their positions
+                keep = held.clone() if keep is None else keep
+                keep[..., keep.shape[-1] - self.guide :] = False
             if keep is not None:
                 refill(layer, view.keys, view.values, keep)
+            if self.guide:
+                layer.seen = layer.context_seen = layer.seen - self.guide
             kept = decision.budgets if keep is None else keep.sum(-1)  # (b, h_kv)
             record(compressor, LayerRecord(view.module.layer_idx, view.lengths, kept, decision.kept_whole, keep))
 
@@ -195,17 +212,20 @@ def _pad_left(item: tuple, width: int) -> tuple:
     return padded, layer, held
 
 
-def _scores(method: Method, item: tuple) -> torch.Tensor:
+def _scores(method: Method, item: tuple, guide: int = 0) -> torch.Tensor:
     """The method's scores of a held-entries view, (b, h_kv, T). Where a row's heads hold different counts, the view
     says which positions each head holds (``LayerView.held``: the window's attention reads those alone), and a
     head's padding scores below every real entry (0 for scores >= 0 by the scorer's word), so that it is taken
-    only where a head's budget exceeds what it holds; it is dropped after selection."""
+    only where a head's budget exceeds what it holds; it is dropped after selection. The last ``guide`` positions
+    (a guide's entries: their queries are the window, their keys part of its attention) score as padding does."""
     view, _, held = item
     scores = method.scores_of(view)
-    if view.held is None:
+    if view.held is None and not guide:
         return scores
     low = 0.0 if declares_non_negative(method.scorer) else float(scores.min()) - 1.0
-    return scores.masked_fill(~held, low)
+    candidates = held.clone()
+    candidates[..., candidates.shape[-1] - guide :] = False
+    return scores.masked_fill(~candidates, low)
 
 
 def record(compressor, fresh: LayerRecord) -> None:

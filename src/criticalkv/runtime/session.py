@@ -21,7 +21,7 @@ from criticalkv.cache import CompressedCache
 from criticalkv.cache.compressed_cache import release_views, storage_bytes
 from criticalkv.core.layout import StageLength, on_this_stage, stage_layers
 from criticalkv.core.positions import forward_on_cache
-from criticalkv.errors import CacheStateError, CriticalKVError, PaddingError
+from criticalkv.errors import BoundedMemoryError, CacheStateError, CriticalKVError, PaddingError
 from criticalkv.runtime.api import bounded_compressor
 from criticalkv.runtime.checks import refuse_nesting
 from criticalkv.runtime.chunked import prefill_in_chunks
@@ -236,10 +236,20 @@ class ContextSession:
 
     # --- phases ------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        guide_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Prefill (and compress) the context: input_ids (b, t), left-padded if rows differ, with their
-        ``attention_mask`` (b, t) (None: every token is real). Returns the last position's logits (b, vocab)."""
+        ``attention_mask`` (b, t) (None: every token is real). Returns the last position's logits (b, vocab).
+
+        ``guide_ids`` (b, g), with ``chunk_size``: the tokens whose queries score every chunk but the last, run after
+        it and never kept (normally the question that ends the prompt; ``prefill_in_chunks``)."""
         _check_ids(input_ids, "input_ids", "(b, t)")
+        if guide_ids is not None and self.chunk_size is None:
+            raise BoundedMemoryError("guide_ids scores the chunks of a chunked prefill: give the session a chunk_size")
         if input_ids.shape[-1] == 0:
             raise CriticalKVError("the context is empty: prefill needs at least one token")
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
@@ -258,7 +268,7 @@ class ContextSession:
         start = time.perf_counter()
         try:
             if self.chunk_size is not None:
-                logits = self._forward_in_chunks(input_ids, self.mask)
+                logits = self._forward_in_chunks(input_ids, self.mask, guide_ids)
             else:
                 logits = self._forward(input_ids, self.mask)
         except BaseException:
@@ -507,12 +517,15 @@ class ContextSession:
         finally:
             self.compressor.uninstall()
 
-    def _forward_in_chunks(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Prefill input_ids (b, t) with their mask (b, t) ``chunk_size`` tokens at a time; last logits."""
+    def _forward_in_chunks(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, guide_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Prefill input_ids (b, t) with their mask (b, t) ``chunk_size`` tokens at a time, each chunk but the last
+        scored by ``guide_ids`` (b, g) if given; last logits."""
         self.mask_with_pending = mask
         rolling = None if self.compressor is None else self.compressor.rolling
         with self._installed():
-            out = prefill_in_chunks(self.model, input_ids, mask, self.cache, self.chunk_size, rolling)
+            out = prefill_in_chunks(self.model, input_ids, mask, self.cache, self.chunk_size, rolling, guide_ids)
         return out.logits[:, -1, :].float()
 
     def _forward(self, input_ids: torch.Tensor, full_mask: torch.Tensor) -> torch.Tensor:
