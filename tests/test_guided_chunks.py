@@ -135,3 +135,15 @@ def test_run_guides_its_chunks_with_the_question(short_model, tmp_path):
     report = json.loads(out.read_text())
     assert report["bounded"] == {"chunk_size": 16, "cap": 12, "guide_chunks": True}
     assert next(r for r in report["results"] if r["method"] == "snapkv")["kept_entries"] == 12
+
+
+@pytest.mark.parametrize("method", ["knorm", "streaming", "critical-surrogate"])
+def test_scorers_that_read_no_queries_keep_the_same_entries_with_a_guide(method):
+    """Key norm, StreamingLLM and the surrogate score each entry alone: the guide's forward changes no choice."""
+    model = _model("llama")
+    ids, guide = _ids(45, seed=3), _ids(5, seed=4)
+    plain = ContextSession(model, _method(method, model), chunk_size=10, cap=8, **_options(method, model))
+    guided = ContextSession(model, _method(method, model), chunk_size=10, cap=8, **_options(method, model))
+    assert torch.equal(plain.prefill(ids), guided.prefill(ids, guide_ids=guide))
+    for a, b in zip(_layers(plain), _layers(guided), strict=True):
+        assert torch.equal(a.lengths, b.lengths) and torch.equal(a.context_keys, b.context_keys)
