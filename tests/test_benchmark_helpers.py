@@ -1,5 +1,5 @@
 """The pure helpers of the benchmarks (the kvpress comparisons: speed_memory.py, quality_vs_kvpress.py; and
-compare_sweeps.py)."""
+compare_sweeps.py, headline_table.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "kvpress"))
 
 from compare_sweeps import compare
+from headline_table import table
 from plot_benchmarks import (
     answer_cells,
     compression_table,
@@ -739,18 +740,22 @@ def test_rerun_under_starts_the_script_again_under_the_allocator_once(tmp_path: 
     assert printed[0] == "started" and json.loads(printed[1]) == ["mmap", ["retain"], {}, 0]
 
 
-def test_compare_sweeps_pairs_the_samples_both_folders_answered(tmp_path):
+def _sweep_folder(path: Path, scores: dict) -> Path:
+    """A sweep folder of aware rows, {(task, index, method, budget): score}."""
     import json
     from dataclasses import asdict
 
     from criticalkv.eval.sweep import Row
 
+    path.mkdir()
+    rows = [Row(t, i, "aware", m, b, s, "", 100, 1.0) for (t, i, m, b), s in scores.items()]
+    (path / "results.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in rows))
+    return path
+
+
+def test_compare_sweeps_pairs_the_samples_both_folders_answered(tmp_path):
     def folder(name, scores):
-        path = tmp_path / name
-        path.mkdir()
-        rows = [Row(t, i, "aware", m, b, s, "", 100, 1.0) for (t, i, m, b), s in scores.items()]
-        (path / "results.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in rows))
-        return path
+        return _sweep_folder(tmp_path / name, scores)
 
     one_shot = {("a", 0, "full", 1.0): 100.0, ("a", 1, "full", 1.0): 50.0, ("b", 0, "full", 1.0): 0.0}
     one_shot |= {("a", 0, "snapkv", 1024): 100.0, ("a", 1, "snapkv", 1024): 0.0, ("b", 0, "snapkv", 1024): 0.0}
@@ -762,3 +767,22 @@ def test_compare_sweeps_pairs_the_samples_both_folders_answered(tmp_path):
     snap = entries["snapkv"]
     assert snap["budget"] == "1024" and snap["samples"] == 2 and snap["means"] == [50.0, 0.0]
     assert snap["difference"] == -50.0 and snap["interval"][0] <= -50.0 <= snap["interval"][1]
+
+
+def test_the_headline_table_puts_each_models_figures_in_its_column(tmp_path):
+    """Mean, loss and loss ratio of every (method, budget), one column per folder; a pair one folder lacks is "not
+    run"; a ratio whose base loses nothing in some resample has an n/a interval."""
+    big = {("a", i, "full", 1.0): 100.0 for i in range(4)}
+    big |= {("a", i, "snapkv", 0.2): s for i, s in enumerate([0.0, 0.0, 100.0, 100.0])}  # loss 50%
+    big |= {("a", i, "critical-snapkv", 0.2): s for i, s in enumerate([0.0, 100.0, 100.0, 100.0])}  # loss 25%
+    small = {("a", i, "full", 1.0): 100.0 for i in range(2)} | {("a", i, "snapkv", 0.2): 100.0 for i in range(2)}
+    text = table({"big": _sweep_folder(tmp_path / "big", big), "small": _sweep_folder(tmp_path / "s", small)}, "aware")
+    lines = text.splitlines()
+    assert lines[0] == "| method | budget | big (4 samples, 4 per task) | small (2 samples, 2 per task) |"
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line.split("|")[3:5] for line in lines[2:]}
+    assert [key[0] for key in rows] == ["`full`", "`snapkv`", "`critical-snapkv`"]
+    big_snap, small_snap = (cell.strip() for cell in rows[("`snapkv`", "0.2")])
+    assert big_snap.startswith("50.0 · 50.0% (") and small_snap == "100.0 · 0.0% (0.0 to 0.0)"
+    big_critical, small_critical = (cell.strip() for cell in rows[("`critical-snapkv`", "0.2")])
+    assert big_critical.startswith("75.0 · 25.0% (") and " · 0.50 (" in big_critical
+    assert small_critical == "not run"
