@@ -24,7 +24,7 @@ def columns(folders: dict[str, Path], regime: str) -> dict[str, dict]:
             (e["method"], "full" if e["method"] == "full" else e["budget"]): {
                 "mean": e["mean"],
                 "loss": e["loss"],
-                "loss_interval": e.get("loss_interval"),
+                "loss_interval": e["loss_interval"],
                 "samples": e["samples"],
                 "per_task": sorted(set(e["task_samples"].values())),
             }
@@ -42,7 +42,7 @@ def cell_text(cell: dict | None) -> str:
     if cell is None:
         return "not run"
     parts = [f"{cell['mean']:.1f}"]
-    if cell["loss"] is not None and cell.get("loss_interval") is not None:
+    if cell["loss"] is not None and cell["loss_interval"] is not None:
         low, high = cell["loss_interval"]
         parts.append(f"{100 * cell['loss']:.1f}% ({100 * low:.1f} to {100 * high:.1f})")
     if "ratio" in cell:

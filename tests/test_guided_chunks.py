@@ -147,3 +147,17 @@ def test_scorers_that_read_no_queries_keep_the_same_entries_with_a_guide(method)
     assert torch.equal(plain.prefill(ids), guided.prefill(ids, guide_ids=guide))
     for a, b in zip(_layers(plain), _layers(guided), strict=True):
         assert torch.equal(a.lengths, b.lengths) and torch.equal(a.context_keys, b.context_keys)
+
+
+@pytest.mark.parametrize(
+    ("regime", "bounded", "words"),
+    [("agnostic", {"chunk_size": 16, "cap": 8}, "--mode aware"), ("aware", None, "give --chunk-size")],
+)
+def test_a_sweep_refuses_a_guide_without_chunks_or_question_before_any_work(regime, bounded, words, tmp_path):
+    from criticalkv.eval.sweep import run_sweep
+
+    with pytest.raises(BoundedMemoryError, match=words):
+        run_sweep(
+            None, None, [], None, ["snapkv"], [], regime, tmp_path / "out", None, bounded=bounded, guide_chunks=True
+        )
+    assert not (tmp_path / "out").exists()

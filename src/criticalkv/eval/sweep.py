@@ -25,6 +25,7 @@ from criticalkv.cache import CompressedCache
 from criticalkv.core.layout import ParallelLayout
 from criticalkv.errors import CriticalKVError, UnsupportedModelError
 from criticalkv.eval import method_record
+from criticalkv.eval.bounded import Bounded
 from criticalkv.files import read_json, write_atomic, write_json
 from criticalkv.progress import step_progress
 from criticalkv.prompts import encode_prompt
@@ -148,6 +149,7 @@ def run_sweep(
     """
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
+    Bounded(**(bounded or {}), guide_chunks=guide_chunks).check_guide(regime)  # a guide needs chunks and the question
     described = method_record.describe(methods)  # each built: unknown names fail before any work
     if batch_answers and not CompressedCache(model.config).stackable():
         raise UnsupportedModelError(
@@ -270,7 +272,7 @@ def _answer(
     targets = pairs if any(label == "full" for label, _, _ in pairs) else [FULL_PAIR, *pairs]
     if bounded:  # each pair prefills in chunks on its own: no shared forward
         sessions = {label: ContextSession(model, method, budget, **bounded) for label, method, budget in targets}
-        guide = torch.tensor([suffix_ids], device=device) if guide_chunks and regime == "aware" else None
+        guide = torch.tensor([suffix_ids], device=device) if guide_chunks else None  # aware: run_sweep checked
         for session in sessions.values():
             session.prefill(torch.tensor([prompt], device=device), guide_ids=guide)
     else:
