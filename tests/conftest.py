@@ -83,16 +83,19 @@ def save_random_llama(folder: Path, tokenizer, **shape) -> Path:
     return folder
 
 
+#: The shape of the smallest random Llama the CLI tests load: one layer, two query heads, one KV head.
+ONE_LAYER_LLAMA = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+
+
 @pytest.fixture(scope="module")
 def short_model(tmp_path_factory, tiny_tokenizer) -> Path:
     """A random 1-layer Llama folder with room for 128 positions only."""
     return save_random_llama(
-        tmp_path_factory.mktemp("short-llama"),
-        tiny_tokenizer,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
+        tmp_path_factory.mktemp("short-llama"), tiny_tokenizer, **ONE_LAYER_LLAMA, max_position_embeddings=128
     )

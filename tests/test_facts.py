@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from conftest import save_random_llama
+from conftest import ONE_LAYER_LLAMA, save_random_llama
 from typer.testing import CliRunner
 
 from criticalkv.cli import app
@@ -80,16 +80,7 @@ def test_bad_arguments(tiny_tokenizer) -> None:
 
 
 def test_eval_facts_sweeps_index_major_and_reports(tmp_path, tiny_tokenizer) -> None:
-    model = save_random_llama(
-        tmp_path / "llama",
-        tiny_tokenizer,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-    )
+    model = save_random_llama(tmp_path / "llama", tiny_tokenizer, **ONE_LAYER_LLAMA, max_position_embeddings=512)
     out = tmp_path / "facts"
     args = ["eval", "facts", "--model", str(model), "--tasks", "fact_single,fact_pair", "--samples", "2"]
     args += ["--length", "400", "--methods", "snapkv", "--budgets", "0.5", "--max-new-tokens", "2", "--device", "cpu"]
