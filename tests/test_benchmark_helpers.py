@@ -786,3 +786,27 @@ def test_the_headline_table_puts_each_models_figures_in_its_column(tmp_path):
     big_critical, small_critical = (cell.strip() for cell in rows[("`critical-snapkv`", "0.2")])
     assert big_critical.startswith("75.0 · 25.0% (") and " · 0.50 (" in big_critical
     assert small_critical == "not run"
+
+
+def test_gpu_layer_costs_time_every_piece_each_method_calls(monkeypatch) -> None:
+    """``gpu_selection_cost.layer_costs`` on the CPU (the synchronisation made a no-op): one decoder-layer time per
+    layer and prefill, a compression step per layer for compressing methods only, value norms for CriticalKV's."""
+    import torch
+    from gpu_selection_cost import layer_costs
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    rows = {
+        r["method"]: r for r in layer_costs(model, ["full", "snapkv", "critical-snapkv:screen=false"], "0.2", 2, 96, 2)
+    }
+    assert rows["full"]["decoder layer calls"] == 4 and "compression ms" not in rows["full"]
+    assert rows["snapkv"]["compression calls"] == rows["snapkv"]["scoring calls"] == 4
+    assert "value norms ms" not in rows["snapkv"]
+    assert rows["critical-snapkv:screen=false"]["value norms calls"] == 4  # the screen (CPU) is off on a GPU
+    assert all(v > 0 for r in rows.values() for k, v in r.items() if k.endswith(" ms"))

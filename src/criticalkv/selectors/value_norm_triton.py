@@ -1,12 +1,15 @@
 """The projected value norm on a GPU in one Triton kernel: mean_g ||V_i W_O^g||_1 without the (t, G * hidden) product.
 
-Each program takes a tile of one KV head's tokens, multiplies it by tiles of each query head's W_O^g slice on the
-tensor cores (float32 accumulation) and sums the absolute values of each product tile on chip: only the (t,) norms
-reach memory, against the G * hidden floats per token that ``value_norm``'s chunked products write and read back.
-bfloat16 and float16 values times a weight of the same dtype give float32 products that are exact (8 + 8 or
-11 + 11 significant bits fit in float32's 24), so the norms are the float32 reference's up to the order of the
-sums; float32 values multiply in full float32 (no TF32). Tested on a CPU through Triton's interpreter
-(``TRITON_INTERPRET=1``).
+Each program takes a tile of one KV head's tokens and walks over (query head g, feature tile) pairs in one flat loop
+(so Triton pipelines the weight loads): it multiplies the value tile by the tile of W_O^g on the tensor cores with
+float32 accumulation, adds the absolute values of the product to a register accumulator of the tile's shape, and
+reduces that accumulator once at the end: only the (t,) norms reach memory, against the G * hidden floats per token
+that ``value_norm``'s chunked products write and read back. bfloat16 and float16 values times a weight of the same
+dtype give float32 products that are exact (8 + 8 or 11 + 11 significant bits fit in float32's 24), so the norms
+are the float32 reference's up to the order of the sums; float32 values multiply in full float32 (no TF32).
+
+The tile sizes are tuned per (hidden, head_dim, groups, dtype) on the first call, among ``CONFIGS``, and the choice
+is kept in Triton's cache. Every config is tested on a CPU through Triton's interpreter (``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -15,12 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
-# A tile of 64 tokens by 64 output features: tl.dot wants every side >= 16, and 64 x 64 float32 accumulators plus a
-# (64, d) value tile fit one program's registers for head sizes up to 128.
-BLOCK_TOKENS = 64
-BLOCK_FEATURES = 64
 #: Value dtypes the kernel multiplies on the tensor cores with a weight of the same dtype (exact float32 products).
 TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
+#: Tile sizes (tokens x output features), warps and pipeline stages tried: tl.dot wants every side >= 16; the
+#: float32 accumulator of a tile and the product being added to it share one program's registers.
+CONFIGS = [
+    triton.Config({"BLOCK_T": 64, "BLOCK_J": 64}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_T": 128, "BLOCK_J": 64}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_T": 128, "BLOCK_J": 64}, num_warps=8, num_stages=4),
+    triton.Config({"BLOCK_T": 128, "BLOCK_J": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_T": 256, "BLOCK_J": 64}, num_warps=8, num_stages=3),
+]
 
 
 @triton.jit
@@ -42,10 +50,10 @@ def _value_norm_kernel(
     stride_ob,
     stride_oh,
     stride_ot,
-    BLOCK_T: tl.constexpr,
-    BLOCK_J: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_J: tl.constexpr,
 ):
     tile = tl.program_id(0)
     batch_head = tl.program_id(1)
@@ -60,27 +68,37 @@ def _value_norm_kernel(
     )  # (BLOCK_T, BLOCK_D)
     if IEEE:
         v_tile = v_tile.to(tl.float32)
-    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    for g in range(groups):
+    feature_tiles = tl.cdiv(hidden, BLOCK_J)
+    total = tl.zeros((BLOCK_T, BLOCK_J), dtype=tl.float32)
+    for step in range(groups * feature_tiles):  # (query head g, feature tile) pairs, flat
+        g = step // feature_tiles
+        features = (step % feature_tiles) * BLOCK_J + tl.arange(0, BLOCK_J)  # (BLOCK_J,)
         first_column = (h * groups + g) * head_dim  # query head g's slice W_O^g: columns first .. first + d
-        for start in range(0, hidden, BLOCK_J):
-            features = start + tl.arange(0, BLOCK_J)  # (BLOCK_J,)
-            w_tile = tl.load(
-                weight + features[None, :] * stride_w_out + (first_column + dims)[:, None] * stride_w_in,
-                mask=(features[None, :] < hidden) & (dims[:, None] < head_dim),
-                other=0.0,
-            )  # (BLOCK_D, BLOCK_J): W_O^g[:, start : start + BLOCK_J]
-            if IEEE:
-                product = tl.dot(v_tile, w_tile.to(tl.float32), input_precision="ieee")  # (BLOCK_T, BLOCK_J)
-            else:
-                product = tl.dot(v_tile, w_tile, out_dtype=tl.float32)
-            total += tl.sum(tl.abs(product), axis=1)
-    tl.store(out + b * stride_ob + h * stride_oh + rows * stride_ot, total / groups, mask=rows < t)
+        w_tile = tl.load(
+            weight + features[None, :] * stride_w_out + (first_column + dims)[:, None] * stride_w_in,
+            mask=(features[None, :] < hidden) & (dims[:, None] < head_dim),
+            other=0.0,
+        )  # (BLOCK_D, BLOCK_J): a tile of W_O^g's columns
+        if IEEE:
+            product = tl.dot(v_tile, w_tile.to(tl.float32), input_precision="ieee")  # (BLOCK_T, BLOCK_J)
+        else:
+            product = tl.dot(v_tile, w_tile, out_dtype=tl.float32)
+        total += tl.abs(product)
+    norms = tl.sum(total, axis=1) / groups  # (BLOCK_T,)
+    tl.store(out + b * stride_ob + h * stride_oh + rows * stride_ot, norms, mask=rows < t)
 
 
-def fused_projected_value_norm(values: torch.Tensor, o_proj_weight: torch.Tensor) -> torch.Tensor:
+_tuned_kernel = triton.autotune(CONFIGS, key=["hidden", "head_dim", "groups", "IEEE"], cache_results=True)(
+    _value_norm_kernel
+)
+
+
+def fused_projected_value_norm(
+    values: torch.Tensor, o_proj_weight: torch.Tensor, config: triton.Config | None = None
+) -> torch.Tensor:
     """``value_norm.projected_value_norm(values, o_proj_weight)`` (float32 products, group mean) in one kernel:
-    (b, h_kv, t) float32. values (b, h_kv, t, d); o_proj_weight (hidden, h_q * d), on the values' device."""
+    (b, h_kv, t) float32. values (b, h_kv, t, d); o_proj_weight (hidden, h_q * d), on the values' device. ``config``
+    (one of ``CONFIGS``) skips the tuning: the tests run every config, benchmarks time each."""
     b, h_kv, t, d = values.shape
     hidden, in_features = o_proj_weight.shape
     if in_features % (h_kv * d):
@@ -90,22 +108,24 @@ def fused_projected_value_norm(values: torch.Tensor, o_proj_weight: torch.Tensor
         return out
     # exact float32 products on the tensor cores only for a 16-bit dtype shared by both operands
     ieee = values.dtype not in TENSOR_CORE_DTYPES or o_proj_weight.dtype != values.dtype
-    grid = (triton.cdiv(t, BLOCK_TOKENS), b * h_kv)
-    _value_norm_kernel[grid](
-        values,
-        o_proj_weight,
-        out,
-        t,
-        h_kv,
-        in_features // (h_kv * d),
-        hidden,
-        d,
-        *values.stride(),
-        *o_proj_weight.stride(),
-        *out.stride(),
-        BLOCK_T=BLOCK_TOKENS,
-        BLOCK_J=BLOCK_FEATURES,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
-        IEEE=ieee,
-    )
+    arguments = (values, o_proj_weight, out, t, h_kv, in_features // (h_kv * d), hidden, d)
+    strides = (*values.stride(), *o_proj_weight.stride(), *out.stride())
+    block_d = max(16, triton.next_power_of_2(d))
+    if config is None:
+
+        def grid(meta: dict) -> tuple[int, int]:
+            return (triton.cdiv(t, meta["BLOCK_T"]), b * h_kv)
+
+        _tuned_kernel[grid](*arguments, *strides, BLOCK_D=block_d, IEEE=ieee)
+    else:
+        grid = (triton.cdiv(t, config.kwargs["BLOCK_T"]), b * h_kv)
+        _value_norm_kernel[grid](
+            *arguments,
+            *strides,
+            BLOCK_D=block_d,
+            IEEE=ieee,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+            **config.kwargs,
+        )
     return out
