@@ -102,8 +102,9 @@ def kernel_costs(model: torch.nn.Module, batch: int, tokens: int) -> dict:
 
 
 @contextlib.contextmanager
-def timed_pieces(model: torch.nn.Module, timings: dict[str, list[float]]):
-    """Synchronised timers on every decoder layer, compression step, scoring and value-norm call."""
+def timed_pieces(model: torch.nn.Module, timings: defaultdict[str, list[float]]):
+    """Synchronised timers on every decoder layer, compression step, scoring and value-norm call: each appends its
+    ms to its list in ``timings`` (a ``defaultdict(list)``)."""
     layers = model.model.layers
     starts: dict[int, float] = {}
 

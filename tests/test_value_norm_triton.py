@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 
 from criticalkv.selectors.value_norm import projected_value_norm
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 # (b, h_kv, G, t, d, hidden): tiles cut short in every direction (t and hidden not multiples of 64, d not a power of
 # two), one token, and MHA (G = 1)
@@ -59,7 +60,7 @@ def check_interpreted() -> None:
 
 
 @pytest.mark.skipif(
-    tuple(int(x) for x in __import__("triton").__version__.split(".")[:2]) < (3, 9),
+    Version(triton.__version__) < Version("3.9"),
     reason="Triton before 3.9 interprets a loop bound that is a product of scalar arguments as an array and fails "
     "(seen with 3.6; the compiled kernel is fine); the dev extra asks for triton >= 3.9",
 )
@@ -81,11 +82,12 @@ def test_interpreted_kernel_matches_float32_reference():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [*SHAPES, (2, 8, 4, 3000, 128, 4096)])
 def test_cuda_kernel_matches_float32_reference(shape, dtype):
+    from triton.runtime.errors import OutOfResources
+
     from criticalkv.selectors.value_norm_triton import CONFIGS, fused_projected_value_norm
 
     values, weight = _case(shape, dtype, "cuda")
     expected = projected_value_norm(values.cpu(), weight.cpu())
-    from triton.runtime.errors import OutOfResources
 
     ran = 0
     for config in [None, *CONFIGS]:  # the tuned choice, then each config
