@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every figure of docs/benchmarks.md's section "GPU: H200, real model shapes with random weights", in one run on a
-# CUDA machine (about 8 minutes on an H200), from this repository's root, with a python that imports torch, triton,
+# CUDA machine (its steps, run separately on an H200, took about 8 minutes in all), from this repository's root, with a python that imports torch, triton,
 # transformers >= 5.24 and this repository's src (e.g. PYTHONPATH=src):
 #
 #   bash benchmarks/gpu_figures.sh OUT
