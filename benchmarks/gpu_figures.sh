@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Every figure of docs/benchmarks.md's section "GPU: H200, real model shapes with random weights", in one run on a
-# CUDA machine (its steps, run separately on an H200, took about 8 minutes in all), from this repository's root, with a python that imports torch, triton,
-# transformers >= 5.24 and this repository's src (e.g. PYTHONPATH=src):
+# CUDA machine (its steps, run separately on an H200, took about 8 minutes in all), from this repository's root,
+# with a python that imports torch, triton, transformers >= 5.24 and this repository's src (e.g. PYTHONPATH=src):
 #
 #   bash benchmarks/gpu_figures.sh OUT
 #
 # Each step is bounded by `timeout` and writes into OUT as it goes, so a lease that ends early keeps what finished:
-#   1. pytest_value_norm_triton.log, pytest_cuda.log: the kernel against the float32 products under every tile config,
-#      and the CUDA path against the CPU's references;
-#   2. value_norm_kernel_llama8b.json: the value-norm paths of one layer (benchmarks/gpu_selection_cost.py --parts kernel);
-#   3. llama8b_shape.json: time to first token, KV and peak memory at Llama-3.1-8B's shape, 32k tokens, batch 1 and 4;
+#   1. pytest_value_norm_triton.log, pytest_cuda.log: the kernel against the float32 products under every tile
+#      config, and the CUDA path against the CPU's references;
+#   2. value_norm_kernel_llama8b.json: one layer's value-norm paths (gpu_selection_cost.py --parts kernel);
+#   3. llama8b_shape.json: time to first token, KV and peak memory at Llama-3.1-8B's shape, 32k tokens, batch 1, 4;
 #   4. layer_cost_llama8b.json: each piece's cost per layer (--parts layers);
 #   5. qwen_shape.json: the same as 3 at Qwen2.5-0.5B's shape, 8k and 32k;
-#   6. decode_paths_qwen.json (a diagnosis, not in the docs yet): decode steps of the head-wise methods per attention path, with CUDA's expandable
-#      segments, to tell an allocator effect from a path's cost (the first H200 run saw 0.5-1.1 s a token for one
-#      head-wise method per run, 0.02-0.06 s for the others).
+#   6. decode_paths_qwen.json (a diagnosis, not in the docs yet): decode steps of the head-wise methods per attention
+#      path, with CUDA's expandable segments, to tell an allocator effect from a path's cost (the first H200 run saw
+#      0.5-1.1 s a token for one head-wise method per run, 0.02-0.06 s for the others).
 # Settings: CKV_PYTHON (python3), CKV_STEP_SECONDS (a multiplier of every step's time limit, 1).
 set -uo pipefail
 
@@ -34,8 +34,8 @@ step() {  # step SECONDS LOG COMMAND...: one bounded step, its output in OUT/LOG
 }
 
 nvidia-smi --query-gpu=name,driver_version --format=csv >"$OUT/environment.txt" 2>&1
-"$PYTHON" -c "import torch, triton, transformers; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__)" \
-    >>"$OUT/environment.txt" 2>&1
+versions='import torch, triton, transformers as t; print(torch.__version__, torch.version.cuda, triton.__version__, t.__version__)'
+"$PYTHON" -c "$versions" >>"$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
 
 step 180 pytest_value_norm_triton.log "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_value_norm_triton.py
