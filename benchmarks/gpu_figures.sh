@@ -34,7 +34,7 @@ step() {  # step SECONDS LOG COMMAND...: one bounded step, its output in OUT/LOG
 }
 
 nvidia-smi --query-gpu=name,driver_version --format=csv >"$OUT/environment.txt" 2>&1
-versions='import torch, triton, transformers as t; print(torch.__version__, torch.version.cuda, triton.__version__, t.__version__)'
+versions='import torch as a, triton as b, transformers as c; print(a.__version__, a.version.cuda, b.__version__, c.__version__)'
 "$PYTHON" -c "$versions" >>"$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
 
