@@ -34,8 +34,10 @@ step() {  # step SECONDS LOG COMMAND...: one bounded step, its output in OUT/LOG
 }
 
 nvidia-smi --query-gpu=name,driver_version --format=csv >"$OUT/environment.txt" 2>&1
-versions='import torch as a, triton as b, transformers as c; print(a.__version__, a.version.cuda, b.__version__, c.__version__)'
-"$PYTHON" -c "$versions" >>"$OUT/environment.txt" 2>&1
+"$PYTHON" - >>"$OUT/environment.txt" 2>&1 <<'VERSIONS'
+import torch, triton, transformers
+print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__)
+VERSIONS
 cat "$OUT/environment.txt"
 
 step 180 pytest_value_norm_triton.log "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_value_norm_triton.py
