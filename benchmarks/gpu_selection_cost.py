@@ -32,6 +32,7 @@ from gpu_speed_memory import build_model
 from transformers import DynamicCache
 
 import criticalkv
+from criticalkv.models.families import head_dim
 from criticalkv.runtime.compressor import Compressor
 from criticalkv.runtime.method import Method
 from criticalkv.selectors import critical, defensive, norm_screen, value_norm
@@ -59,8 +60,7 @@ def kernel_costs(model: torch.nn.Module, batch: int, tokens: int) -> dict:
     from criticalkv.selectors.value_norm_triton import CONFIGS, fused_projected_value_norm
 
     config = model.config
-    h_kv, h_q = config.num_key_value_heads, config.num_attention_heads
-    d = getattr(config, "head_dim", None) or config.hidden_size // h_q
+    h_kv, h_q, d = config.num_key_value_heads, config.num_attention_heads, head_dim(config)
     weight = model.model.layers[0].self_attn.o_proj.weight  # (hidden, h_q * d)
     gen = torch.Generator(device=weight.device).manual_seed(0)
     values = torch.randn(batch, tokens, h_kv, d, device=weight.device, generator=gen, dtype=weight.dtype)

@@ -109,23 +109,15 @@ def fused_projected_value_norm(
     # exact float32 products on the tensor cores only for a 16-bit dtype shared by both operands
     ieee = values.dtype not in TENSOR_CORE_DTYPES or o_proj_weight.dtype != values.dtype
     arguments = (values, o_proj_weight, out, t, h_kv, in_features // (h_kv * d), hidden, d)
-    strides = (*values.stride(), *o_proj_weight.stride(), *out.stride())
+    arguments += (*values.stride(), *o_proj_weight.stride(), *out.stride())
     block_d = max(16, triton.next_power_of_2(d))
+
+    def grid(meta: dict) -> tuple[int, int]:  # the tile size is the tuner's choice or the config's
+        return (triton.cdiv(t, meta["BLOCK_T"]), b * h_kv)
+
     if config is None:
-
-        def grid(meta: dict) -> tuple[int, int]:
-            return (triton.cdiv(t, meta["BLOCK_T"]), b * h_kv)
-
-        _tuned_kernel[grid](*arguments, *strides, BLOCK_D=block_d, IEEE=ieee)
+        _tuned_kernel[grid](*arguments, BLOCK_D=block_d, IEEE=ieee)
     else:
-        grid = (triton.cdiv(t, config.kwargs["BLOCK_T"]), b * h_kv)
-        _value_norm_kernel[grid](
-            *arguments,
-            *strides,
-            BLOCK_D=block_d,
-            IEEE=ieee,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-            **config.kwargs,
-        )
+        options = {"num_warps": config.num_warps, "num_stages": config.num_stages, **config.kwargs}
+        _value_norm_kernel[grid](*arguments, BLOCK_D=block_d, IEEE=ieee, **options)
     return out
