@@ -810,3 +810,32 @@ def test_gpu_layer_costs_time_every_piece_each_method_calls(monkeypatch) -> None
     assert "value norms ms" not in rows["snapkv"]
     assert rows["critical-snapkv:screen=false"]["value norms calls"] == 4  # the screen (CPU) is off on a GPU
     assert all(v > 0 for r in rows.values() for k, v in r.items() if k.endswith(" ms"))
+
+
+def test_surrogate_maps_records_the_prefills_attention_input_and_fits_deterministically(tiny_tokenizer) -> None:
+    import torch
+    from surrogate_maps import fit_figures, gather, linear_candidate, mlp_candidate
+    from test_surrogate import _model, _text
+
+    from criticalkv.scorers.reconstruct import ReconstructionScorer
+    from criticalkv.training.surrogate import window_ids
+
+    model = _model()
+    windows = window_ids(tiny_tokenizer, _text().text, 3, 64, torch.Generator().manual_seed(0))
+    scorer = ReconstructionScorer(chunk_size=32, tokenizer=tiny_tokenizer)
+    rows = [gather(model, ids, scorer) for ids in windows]
+    train, held_out = rows[:2], rows[2:]
+    assert sorted(train[0]) == [0, 1]
+    for layer, layer_rows in train[0].items():
+        # the recorded hidden states are the prefill's attention input: its value projection gives the cached values
+        v_proj = model.model.layers[layer].self_attn.v_proj.weight  # (h_kv * d, D)
+        values = (layer_rows.hidden @ v_proj.T).reshape(-1, 2, 16).transpose(0, 1)  # (h_kv, n, d)
+        torch.testing.assert_close(values, layer_rows.features[..., -16:], atol=1e-5, rtol=1e-5)
+        assert layer_rows.inputs("kv+hidden").shape[-1] == layer_rows.features.shape[-1] + 64
+    predict, parameters = linear_candidate("kv", 1e-3, train)
+    assert parameters == 2 * 2 * (layer_rows.features.shape[-1] + 1)
+    figures = fit_figures(predict, held_out, 0.2)
+    assert -1 <= figures["spearman"] <= 1 and 0 <= figures["overlap"] <= 1
+    first, _ = mlp_candidate(train, hidden=4, steps=3, batch=16, seed=0)
+    second, _ = mlp_candidate(train, hidden=4, steps=3, batch=16, seed=0)
+    assert torch.equal(first(1, held_out[0][1]), second(1, held_out[0][1]))  # seeded: the same fit twice

@@ -22,8 +22,8 @@ from criticalkv.scorers.surrogate import (
     surrogate_features,
 )
 from criticalkv.training.surrogate import (
+    NormalEquations,
     TrainingOptions,
-    _NormalEquations,
     kept_overlap,
     spearman,
     train_surrogate,
@@ -129,7 +129,7 @@ def test_normal_equations_solve_least_squares_and_recover_a_planted_map():
 
     sample = Sample()
     sample.keys, sample.values, sample.scores = keys[0], values[0], log_scores.exp()
-    equations = _NormalEquations()
+    equations = NormalEquations()
     equations.add(sample)
     weight, bias, layers = equations.solve(ridge=0.0)
     assert layers == (0,)

@@ -137,7 +137,7 @@ def collect(model: PreTrainedModel, ids: torch.Tensor, scorer: ReconstructionSco
     return recorder.samples
 
 
-def _design(sample: LayerSample) -> tuple[torch.Tensor, torch.Tensor]:
+def design_rows(sample: LayerSample) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows the fit reads: features with a trailing 1 (h_kv, n, F+1) float64, log-scores (h_kv, n) float64."""
     free = ~sample.protected  # (t,)
     features = surrogate_features(sample.keys[None], sample.values[None])[0][:, free]  # (h_kv, n, F)
@@ -147,7 +147,7 @@ def _design(sample: LayerSample) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @dataclass
-class _NormalEquations:
+class NormalEquations:
     """Per layer and KV head, X^T X and X^T y of every row seen, in float64."""
 
     gram: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (h_kv, F+1, F+1)
@@ -155,14 +155,17 @@ class _NormalEquations:
     rows: int = 0
 
     def add(self, sample: LayerSample) -> None:
-        x, y = _design(sample)
+        self.add_rows(sample.layer, *design_rows(sample))
+
+    def add_rows(self, layer: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Fold rows x (h_kv, n, F+1) float64, the last column ones, and targets y (h_kv, n) into ``layer``'s sums."""
         gram = x.transpose(1, 2) @ x
         moment = (x.transpose(1, 2) @ y[..., None])[..., 0]
-        if sample.layer in self.gram:
-            self.gram[sample.layer] += gram
-            self.moment[sample.layer] += moment
+        if layer in self.gram:
+            self.gram[layer] += gram
+            self.moment[layer] += moment
         else:
-            self.gram[sample.layer], self.moment[sample.layer] = gram, moment
+            self.gram[layer], self.moment[layer] = gram, moment
         self.rows += y.numel()
 
     def solve(self, ridge: float) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
@@ -212,7 +215,7 @@ class _HeldOutFit:
         predicted_all, true_all = [], []
         for sample in samples:
             i = position[sample.layer]
-            x, y = _design(sample)  # (h_kv, n, F+1), (h_kv, n)
+            x, y = design_rows(sample)  # (h_kv, n, F+1), (h_kv, n)
             predicted = (x[..., :-1].float() @ weights.weight[i][..., None])[..., 0] + weights.bias[i][:, None]
             predicted, y = predicted.double(), y.double()
             self.spearman[sample.layer] = self.spearman.get(sample.layer, 0.0) + float(spearman(predicted, y).mean())
@@ -255,7 +258,7 @@ def train_surrogate(
     train_windows = window_ids(tokenizer, text.text[:split], options.windows, options.tokens, generator)
     held_out_windows = window_ids(tokenizer, text.text[split:], options.held_out, options.tokens, generator)
     reference = ReconstructionScorer(chunk_size=options.chunk_size, tokenizer=tokenizer)
-    equations = _NormalEquations()
+    equations = NormalEquations()
     fit = _HeldOutFit()
     with step_progress("train-scorer", len(train_windows) + len(held_out_windows), enabled=progress) as advance:
         for index, ids in enumerate(train_windows):
