@@ -42,6 +42,8 @@ from criticalkv.training.surrogate import (
 )
 from criticalkv.training.text import kjv_text
 
+REPORT_EVERY = 50  # MLP steps per progress line
+
 
 @dataclass
 class Rows:
@@ -137,14 +139,15 @@ def mlp_candidate(train: list[dict[int, Rows]], hidden: int, steps: int, batch: 
         return (torch.nn.functional.gelu(inputs @ w1 + b1) @ w2 + inputs @ linear + bias)[..., 0]
 
     optimiser = torch.optim.Adam(params, lr=3e-3, weight_decay=1e-4)
-    with step_progress("MLP fit", steps) as advance:
+    with step_progress(f"MLP fit, {REPORT_EVERY} steps a line", -(-steps // REPORT_EVERY)) as advance:
         for step in range(steps):
             pick = torch.randint(0, n, (batch,), generator=generator)
             loss = (forward((x[:, pick] - mean) / std) - y[:, pick]).square().mean()
             optimiser.zero_grad()
             loss.backward()
             optimiser.step()
-            advance(f"step {step + 1}, loss {loss.item():.3f}")
+            if (step + 1) % REPORT_EVERY == 0 or step + 1 == steps:
+                advance(f"step {step + 1}, minibatch loss {loss.item():.3f}")
     heads = train[0][layers[0]].target.shape[0]
     index = {layer: i for i, layer in enumerate(layers)}
 
