@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,13 +33,13 @@ from criticalkv.progress import step_progress
 from criticalkv.scorers.reconstruct import ReconstructionScorer
 from criticalkv.scorers.surrogate import surrogate_features
 from criticalkv.training.surrogate import (
-    HELD_OUT_SHARE,
     SCORE_FLOOR,
     NormalEquations,
+    TrainingOptions,
     collect,
     kept_overlap,
     spearman,
-    window_ids,
+    split_windows,
 )
 from criticalkv.training.text import kjv_text
 
@@ -56,8 +57,10 @@ class Rows:
 
     def inputs(self, kind: str) -> torch.Tensor:
         """(h_kv, n, F') float32 inputs of a linear candidate: 'kv', 'hidden' or 'kv+hidden'."""
+        if kind == "kv":
+            return self.features
         hidden = self.hidden[None].expand(self.features.shape[0], -1, -1)
-        return {"kv": self.features, "hidden": hidden, "kv+hidden": torch.cat([self.features, hidden], -1)}[kind]
+        return hidden if kind == "hidden" else torch.cat([self.features, hidden], -1)
 
 
 def gather(model, ids: torch.Tensor, scorer: ReconstructionScorer) -> dict[int, Rows]:
@@ -98,8 +101,10 @@ def fit_figures(predict, held_out: list[dict[int, Rows]], budget: float) -> dict
             predicted_all.append(predicted.reshape(-1))
             true_all.append(true.reshape(-1))
         cross.append(float(kept_overlap(torch.cat(predicted_all), torch.cat(true_all), budget)))
-    mean = lambda xs: round(sum(xs) / len(xs), 4)  # noqa: E731
-    return {"spearman": mean(rank), "overlap": mean(overlap), "cross_layer_overlap": mean(cross)}
+    return {
+        name: round(statistics.fmean(xs), 4)
+        for name, xs in (("spearman", rank), ("overlap", overlap), ("cross_layer_overlap", cross))
+    }
 
 
 def linear_candidate(kind: str, ridge: float, train: list[dict[int, Rows]]):
@@ -135,14 +140,16 @@ def mlp_candidate(train: list[dict[int, Rows]], hidden: int, steps: int, batch: 
     bias = y.mean(1)[:, None, None].clone().requires_grad_()
     params = [w1, b1, w2, linear, bias]
 
-    def forward(inputs: torch.Tensor) -> torch.Tensor:  # (maps, m, F) standardised -> (maps, m)
-        return (torch.nn.functional.gelu(inputs @ w1 + b1) @ w2 + inputs @ linear + bias)[..., 0]
+    def forward(inputs: torch.Tensor, of: slice = slice(None)) -> torch.Tensor:
+        """Raw features (maps ``of``, m, F) -> predicted log-scores (maps ``of``, m)."""
+        inputs = (inputs - mean[of]) / std[of]
+        return (torch.nn.functional.gelu(inputs @ w1[of] + b1[of]) @ w2[of] + inputs @ linear[of] + bias[of])[..., 0]
 
     optimiser = torch.optim.Adam(params, lr=3e-3, weight_decay=1e-4)
     with step_progress(f"MLP fit, {REPORT_EVERY} steps a line", -(-steps // REPORT_EVERY)) as advance:
         for step in range(steps):
             pick = torch.randint(0, n, (batch,), generator=generator)
-            loss = (forward((x[:, pick] - mean) / std) - y[:, pick]).square().mean()
+            loss = (forward(x[:, pick]) - y[:, pick]).square().mean()
             optimiser.zero_grad()
             loss.backward()
             optimiser.step()
@@ -154,10 +161,7 @@ def mlp_candidate(train: list[dict[int, Rows]], hidden: int, steps: int, batch: 
     @torch.no_grad()
     def predict(layer: int, rows: Rows) -> torch.Tensor:
         start = index[layer] * heads
-        maps_of_layer = slice(start, start + heads)
-        inputs = (rows.features - mean[maps_of_layer]) / std[maps_of_layer]
-        hidden_out = torch.nn.functional.gelu(inputs @ w1[maps_of_layer] + b1[maps_of_layer])
-        return (hidden_out @ w2[maps_of_layer] + inputs @ linear[maps_of_layer] + bias[maps_of_layer])[..., 0]
+        return forward(rows.features, slice(start, start + heads))
 
     return predict, sum(p.numel() for p in params) + mean.numel() + std.numel()
 
@@ -178,21 +182,19 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
 
     text = kjv_text()
     model, tokenizer = load_model(args.model, dtype="float32")
-    split = int(len(text.text) * (1 - HELD_OUT_SHARE))
-    generator = torch.Generator().manual_seed(args.seed)  # the windows train-scorer reads with this seed
-    train_ids = window_ids(tokenizer, text.text[:split], args.windows, args.tokens, generator)
-    held_out_ids = window_ids(tokenizer, text.text[split:], args.held_out, args.tokens, generator)
+    options = TrainingOptions(windows=args.windows, held_out=args.held_out, tokens=args.tokens, seed=args.seed)
+    train_ids, held_out_ids = split_windows(tokenizer, text.text, options)  # the windows train-scorer reads
     scorer = ReconstructionScorer(tokenizer=tokenizer)
     started = time.perf_counter()
     with step_progress("prefill + reconstruction", len(train_ids) + len(held_out_ids)) as advance:
-        train, held_out = [], []
+        rows = []
         for ids in train_ids + held_out_ids:
-            (train if len(train) < len(train_ids) else held_out).append(gather(model, ids, scorer))
-            advance(f"window {len(train) + len(held_out)}")
+            rows.append(gather(model, ids, scorer))
+            advance(f"window {len(rows)}")
+    train, held_out = rows[: len(train_ids)], rows[len(train_ids) :]
     collected = time.perf_counter() - started
 
     results = []

@@ -128,6 +128,17 @@ def window_ids(
     return windows
 
 
+def split_windows(
+    tokenizer: PreTrainedTokenizerBase, text: str, options: TrainingOptions
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The seeded training windows from the first ``1 - HELD_OUT_SHARE`` of ``text`` and the held-out ones from the
+    rest, each (1, ``options.tokens``)."""
+    split = int(len(text) * (1 - HELD_OUT_SHARE))
+    generator = torch.Generator().manual_seed(options.seed)
+    train = window_ids(tokenizer, text[:split], options.windows, options.tokens, generator)
+    return train, window_ids(tokenizer, text[split:], options.held_out, options.tokens, generator)
+
+
 def collect(model: PreTrainedModel, ids: torch.Tensor, scorer: ReconstructionScorer) -> list[LayerSample]:
     """Each compressible layer's keys, values and reconstruction scores for the prefill of ``ids`` (1, t)."""
     recorder = _RecordingReconstruction(scorer.chunk_size, scorer.query_stride, scorer.sinks, scorer.tokenizer)
@@ -253,10 +264,7 @@ def train_surrogate(
 ) -> SurrogateWeights:
     """Fit the surrogate of the reconstruction scorer to ``model`` on ``text`` (see the module notes); the card
     names the model, the text and its licence, the sizes and the held-out fit figures."""
-    split = int(len(text.text) * (1 - HELD_OUT_SHARE))
-    generator = torch.Generator().manual_seed(options.seed)
-    train_windows = window_ids(tokenizer, text.text[:split], options.windows, options.tokens, generator)
-    held_out_windows = window_ids(tokenizer, text.text[split:], options.held_out, options.tokens, generator)
+    train_windows, held_out_windows = split_windows(tokenizer, text.text, options)
     reference = ReconstructionScorer(chunk_size=options.chunk_size, tokenizer=tokenizer)
     equations = NormalEquations()
     fit = _HeldOutFit()
