@@ -73,16 +73,17 @@ OPTIONAL_FIGURES = (  # on a GPU; with --count-ops; under compression (runs made
 @contextlib.contextmanager
 def gpu_block_sizes():
     """criticalkv's CPU-only block sizes switched to a GPU's, for an operator count on a CPU: the window's logits in
-    one product (``scorers.base.CPU_KEY_CHUNK``), the value norms in chunks of a GPU's size (``value_norm``)."""
+    one product (``scorers.base.CPU_KEY_CHUNK``), the value norms of every head in one product in a GPU's chunks
+    (``value_norm``)."""
     from criticalkv.scorers import base
     from criticalkv.selectors import value_norm
 
-    saved = base.CPU_KEY_CHUNK, value_norm._CHUNK_ELEMENTS
-    base.CPU_KEY_CHUNK, value_norm._CHUNK_ELEMENTS = sys.maxsize, value_norm._CHUNK_ELEMENTS_CUDA
+    saved = base.CPU_KEY_CHUNK, value_norm._PER_HEAD_PRODUCTS_ON_CPU
+    base.CPU_KEY_CHUNK, value_norm._PER_HEAD_PRODUCTS_ON_CPU = sys.maxsize, False
     try:
         yield
     finally:
-        base.CPU_KEY_CHUNK, value_norm._CHUNK_ELEMENTS = saved
+        base.CPU_KEY_CHUNK, value_norm._PER_HEAD_PRODUCTS_ON_CPU = saved
 
 
 def prompt_ids(tokenizer, length: int, seed: int = 0) -> list[int]:

@@ -68,11 +68,22 @@ def test_bfloat16_norms_lie_within_the_screen_bound(seed, h_kv, g, d, hidden, sp
     gen = torch.Generator().manual_seed(seed)
     values, weight = _bf16_layer(gen, 2, h_kv, g, 40, d, hidden, spread)
     exact = projected_value_norm(values, weight)  # float32 products
-    rough = projected_value_norm(values, weight, compute_dtype=None)  # bfloat16 products
+    rough = projected_value_norm(values, weight, compute_dtype=None)  # bfloat16 products, float32 sums
+    rounded = projected_value_norm(values, weight, compute_dtype=None, rounded_sums=True)  # and bfloat16 sums
     low, high = norm_screen.norm_bounds(values, weight)
-    assert bool((low <= exact).all()) and bool((exact <= high).all())
-    assert bool((low <= rough).all()) and bool((rough <= high).all())
-    torch.testing.assert_close((low + high) / 2, rough)  # centred on the bfloat16 norms
+    for norms in (exact, rough, rounded):
+        assert bool((low <= norms).all()) and bool((norms <= high).all())
+    torch.testing.assert_close((low + high) / 2, rounded)  # centred on the bracket's own norms
+    assert bool(((rounded - rough).abs() <= 2.0**-8 * rough).all())  # the sums' one rounding
+
+
+@pytest.mark.parametrize("n", [576, 4096, 8192])
+def test_a_bfloat16_sum_accumulates_in_float32_and_rounds_once(n):
+    # the bracket's bound assumes it (REL): summed in bfloat16 itself, n ones would stop growing at 256
+    assert torch.ones(3, n, dtype=torch.bfloat16).sum(-1).tolist() == [n] * 3
+    terms = torch.rand(64, n, generator=torch.Generator().manual_seed(n)).bfloat16()
+    exact = terms.double().sum(-1)
+    assert bool(((terms.sum(-1).double() - exact).abs() <= (2.0**-8 + n * 2.0**-24) * exact).all())
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -212,15 +212,21 @@ def test_projected_value_norm_matches_loop(b, h_kv, groups):
     torch.testing.assert_close(got.double(), _reference_value_norm(values, weight), rtol=1e-5, atol=1e-6)
 
 
-def test_projected_value_norm_chunked_equals_unchunked(monkeypatch):
+@pytest.mark.parametrize("per_head_products", [True, False])  # a CPU's products, or one for all heads as on a GPU
+def test_projected_value_norm_chunked_equals_unchunked(per_head_products, monkeypatch):
     torch.manual_seed(0)
     values = torch.randn(2, 2, 37, 4)
     weight = torch.randn(16, 2 * 3 * 4)
     whole = projected_value_norm(values, weight)
-    monkeypatch.setattr(value_norm_module, "_CHUNK_ELEMENTS", 2 * 2 * 3 * 16 * 5)  # 5 tokens per chunk
+    monkeypatch.setattr(value_norm_module, "_PER_HEAD_PRODUCTS_ON_CPU", per_head_products)
+    monkeypatch.setattr(value_norm_module, "_CHUNK_ELEMENTS", 16 * 5)  # 16 rows (the fewest) per chunk: 16, 16, 5
+    monkeypatch.setattr(value_norm_module, "_CHUNK_ELEMENTS_CUDA", 2 * 2 * 16 * 5)  # 5 rows per chunk
     chunked = projected_value_norm(values, weight)
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(whole.double(), _reference_value_norm(values, weight), rtol=1e-5, atol=1e-6)
+    per_head = projected_value_norm(values, weight, per_head=True)  # (b, h_kv, G, t): the group's mean is `whole`
+    assert per_head.shape == (2, 2, 3, 37)
+    torch.testing.assert_close(per_head.mean(2), whole, rtol=1e-6, atol=1e-6)
 
 
 def test_projected_value_norm_low_precision_inputs_computed_in_float32():
