@@ -4,6 +4,7 @@ compare_sweeps.py, headline_table.py)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import statistics
 import sys
@@ -839,3 +840,20 @@ def test_surrogate_maps_records_the_prefills_attention_input_and_fits_determinis
     first, _ = mlp_candidate(train, hidden=4, steps=3, batch=16, seed=0)
     second, _ = mlp_candidate(train, hidden=4, steps=3, batch=16, seed=0)
     assert torch.equal(first(1, held_out[0][1]), second(1, held_out[0][1]))  # seeded: the same fit twice
+
+
+def test_surrogate_domains_measures_on_the_held_out_fifth_and_the_two_haystacks() -> None:
+    from surrogate_domains import texts
+
+    from criticalkv.eval.facts import haystack_id, haystack_text
+    from criticalkv.eval.needle import load_haystack
+    from criticalkv.training.surrogate import HELD_OUT_SHARE
+    from criticalkv.training.text import kjv_text
+
+    got = texts()
+    kjv = kjv_text().text
+    split = int(len(kjv) * (1 - HELD_OUT_SHARE))
+    assert got["king-james-held-out"] == kjv[split:]  # past every training window's text
+    assert got["ruler-essays"] == load_haystack()
+    assert got["language-reference"] == haystack_text() and len(haystack_text()) > 100_000
+    assert haystack_id() == hashlib.sha256(haystack_text().encode()).hexdigest()[:12]

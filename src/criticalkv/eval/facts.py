@@ -44,6 +44,7 @@ __all__ = [
     "FactSample",
     "generate",
     "haystack_id",
+    "haystack_text",
     "score",
     "task_score",
 ]
@@ -177,9 +178,14 @@ def _paragraphs() -> tuple[str, ...]:
     return tuple(dict.fromkeys(paragraphs))  # a few topics share paragraphs
 
 
+def haystack_text() -> str:
+    """The whole haystack once: the prose paragraphs in order, joined by blank lines."""
+    return "\n\n".join(_paragraphs())
+
+
 def haystack_id() -> str:
     """A short hash of the haystack: it comes with the running Python, and another version may change it."""
-    return hashlib.sha256("\n\n".join(_paragraphs()).encode()).hexdigest()[:12]
+    return hashlib.sha256(haystack_text().encode()).hexdigest()[:12]
 
 
 def _haystack_source(start: int) -> Callable[[int], str]:

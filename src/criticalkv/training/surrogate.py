@@ -213,8 +213,9 @@ def kept_overlap(predicted: torch.Tensor, true: torch.Tensor, fraction: float) -
 
 
 @dataclass
-class _HeldOutFit:
-    """Held-out figures summed over windows: per layer, over its heads; and over every layer at once."""
+class HeldOutFit:
+    """Held-out figures of a fitted surrogate, summed over windows (``add`` one window's samples at a time): per
+    layer, over its heads; and over every layer at once. ``figures`` averages them."""
 
     spearman: dict[int, float] = field(default_factory=dict)
     overlap: dict[int, float] = field(default_factory=dict)
@@ -267,7 +268,7 @@ def train_surrogate(
     train_windows, held_out_windows = split_windows(tokenizer, text.text, options)
     reference = ReconstructionScorer(chunk_size=options.chunk_size, tokenizer=tokenizer)
     equations = NormalEquations()
-    fit = _HeldOutFit()
+    fit = HeldOutFit()
     with step_progress("train-scorer", len(train_windows) + len(held_out_windows), enabled=progress) as advance:
         for index, ids in enumerate(train_windows):
             for sample in collect(model, ids, reference):
