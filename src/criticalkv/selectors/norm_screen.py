@@ -6,7 +6,7 @@ clearly above or below the budget's threshold, and computes the float32 norm onl
 The chosen set is the float32 selection's. Two brackets:
 
 * ``"bfloat16"``: the norms from bfloat16 products, within a bound of the float32 ones. In bfloat16 products the
-  norms cost about half as much as in float32 where a device multiplies bfloat16 natively (CPUs with AVX512-BF16 or
+  norms cost less than half as much as in float32 where a device multiplies bfloat16 natively (CPUs with AVX512-BF16 or
   AMX, GPUs), and the bound (about 2^-6 of the norm) settles all but a few entries.
 * ``"l2"`` (a CPU elsewhere): ``||x||_1 <= sqrt(hidden) ||x||_2``, and ``||V_i W^g||_2 = ||V_i F_g||_2`` for any
   ``F_g F_g^T = W^g W^g^T`` (from an eigendecomposition, once per weight): an upper bound from a (t, d) x (d, d)

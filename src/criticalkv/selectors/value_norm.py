@@ -81,9 +81,8 @@ def projected_value_norm(
         (t, G * hidden) product out.
     rounded_sums
         Sum each query head's L1 norm in the compute dtype: torch accumulates a bfloat16 sum in float32 and rounds
-        the result once (to within 2^-8 of it), and on a CPU that sum costs about a sixth of a float32 sum of the same
-        bfloat16 terms, the costliest step of the bfloat16 norms. For the screen's bracket (``norm_screen``), whose
-        bound covers that rounding.
+        the result once (to within 2^-8 of it), and on a CPU that sum is much cheaper than a float32 sum of the same
+        bfloat16 terms. For the screen's bracket (``norm_screen``), whose bound covers that rounding.
     """
     b, h_kv, t, d = values.shape
     hidden, in_features = o_proj_weight.shape
