@@ -180,7 +180,7 @@ def _fail(error: Exception) -> None:
 
 
 _BATCH_HELP = (
-    "The compressed pairs of a sample answer as the rows of one batched decode: about 2.7x less CPU time, but in "
+    "The compressed pairs of a sample answer as the rows of one batched decode: 1.2-2.7x less CPU time, but in "
     "bfloat16 some long answers differ from separate runs (rounding of batched products). Off: each pair answers "
     "alone, exactly as a separate run. The full cache always answers alone."
 )

@@ -131,7 +131,7 @@ def run_sweep(
     compressed pairs of a sample answer together, as the rows of one batched decode (``ContextSession.stacked``;
     the full cache still answers alone, on the model's own dense attention): the rows read the same entries as
     separate runs, but the batched products round differently, so in bfloat16 a long answer can drift to other
-    tokens (docs/results.md: 53 of 60 answers identical, 2.7x less CPU time).
+    tokens (docs/benchmarks.md: 1.2-2.7x less CPU time; 53 of 60 and 91 of 108 answers identical).
 
     ``encode`` gives a sample's prompt as (context ids, question ids): the question-agnostic regime prefills the
     first alone, the question-aware one both. By default it is ``encode_prompt`` on a ``ChatSample``'s fields.
