@@ -99,3 +99,16 @@ def test_cuda_kernel_matches_float32_reference(shape, dtype):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m, c=config: f"{c}: {m}")
         ran += 1
     assert ran >= 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [SHAPES[0], (2, 2, 7, 700, 64, 896)])
+def test_cuda_chunked_products_match_the_cpu(shape):
+    """Where the kernel does not run (the values' dtype, or per-head norms), a GPU takes one product for every row and
+    KV head per query head, a CPU one per row and KV head: the same norms."""
+    values, weight = _case(shape, torch.bfloat16, "cuda")
+    for kwargs, tolerance in (({"compute_dtype": None}, 1e-2), ({"per_head": True}, 1e-5)):
+        got = projected_value_norm(values, weight, **kwargs).cpu()
+        expected = projected_value_norm(values.cpu(), weight.cpu(), **kwargs)
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
