@@ -27,15 +27,14 @@ from criticalkv.models import load_model
 from criticalkv.progress import step_progress
 from criticalkv.scorers.reconstruct import ReconstructionScorer
 from criticalkv.scorers.surrogate import shipped_for
-from criticalkv.training.surrogate import HELD_OUT_SHARE, HeldOutFit, collect, window_ids
+from criticalkv.training.surrogate import HeldOutFit, collect, split_text, window_ids
 from criticalkv.training.text import kjv_text
 
 
 def texts() -> dict[str, str]:
     """The three texts by name: the King James text's held-out fifth, RULER's essays, the language reference."""
-    kjv = kjv_text().text
     return {
-        "king-james-held-out": kjv[int(len(kjv) * (1 - HELD_OUT_SHARE)) :],
+        "king-james-held-out": split_text(kjv_text().text)[1],
         "ruler-essays": load_haystack(),
         "language-reference": haystack_text(),
     }

@@ -128,15 +128,21 @@ def window_ids(
     return windows
 
 
+def split_text(text: str) -> tuple[str, str]:
+    """``text`` cut in two: the first ``1 - HELD_OUT_SHARE`` of its characters train, the rest is held out."""
+    split = int(len(text) * (1 - HELD_OUT_SHARE))
+    return text[:split], text[split:]
+
+
 def split_windows(
     tokenizer: PreTrainedTokenizerBase, text: str, options: TrainingOptions
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The seeded training windows from the first ``1 - HELD_OUT_SHARE`` of ``text`` and the held-out ones from the
-    rest, each (1, ``options.tokens``)."""
-    split = int(len(text) * (1 - HELD_OUT_SHARE))
+    """The seeded training windows from the training part of ``text`` and the held-out ones from the rest
+    (``split_text``), each (1, ``options.tokens``)."""
+    training, held_out = split_text(text)
     generator = torch.Generator().manual_seed(options.seed)
-    train = window_ids(tokenizer, text[:split], options.windows, options.tokens, generator)
-    return train, window_ids(tokenizer, text[split:], options.held_out, options.tokens, generator)
+    train = window_ids(tokenizer, training, options.windows, options.tokens, generator)
+    return train, window_ids(tokenizer, held_out, options.held_out, options.tokens, generator)
 
 
 def collect(model: PreTrainedModel, ids: torch.Tensor, scorer: ReconstructionScorer) -> list[LayerSample]:
