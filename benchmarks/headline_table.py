@@ -4,6 +4,9 @@ loss with the 95% bootstrap interval, and each CriticalKV variant's loss ratio t
 
     python benchmarks/headline_table.py --regime aware \
         Qwen2.5-1.5B=docs/img/results/ruler4k_qwen15/aware Qwen2.5-0.5B=results/ruler4k-qwen-aware
+
+``--plot FILE`` also draws the loss ratios against the budget, a panel per model, with their intervals and the
+paper's "more than half" line at 0.5.
 """
 
 from __future__ import annotations
@@ -11,8 +14,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
 from criticalkv.eval.report import summarise
 from criticalkv.eval.sweep import load_rows
+from criticalkv.palette import distinct_colours
 
 
 def columns(folders: dict[str, Path], regime: str) -> dict[str, dict]:
@@ -71,10 +77,47 @@ def table(folders: dict[str, Path], regime: str) -> str:
     return "\n".join(lines)
 
 
+def ratio_plot(folders: dict[str, Path], regime: str, path: Path) -> Figure:
+    """Each CriticalKV variant's loss ratio to its base against the budget, a panel per folder (model): the point,
+    its 95% interval as a bar, a dashed line at 0.5 (below it: the loss cut by more than half) and one at 1."""
+    cols = columns(folders, regime)
+    variants = sorted({m for cells in cols.values() for (m, _), c in cells.items() if "ratio" in c})
+    colours = distinct_colours(max(1, len(variants)))
+    fig = Figure(figsize=(3.6 * len(cols) + 2.4, 3.8))
+    axes = fig.subplots(1, len(cols), squeeze=False, sharey=True)[0]
+    for ax, (label, cells) in zip(axes, cols.items(), strict=True):
+        for n, method in enumerate(variants):
+            points = sorted((float(b), c) for (m, b), c in cells.items() if m == method and c.get("ratio") is not None)
+            if not points:
+                continue
+            shift = 1 + 0.04 * (n - (len(variants) - 1) / 2)  # side by side on the log budget axis
+            x = [b * shift for b, _ in points]
+            y = [c["ratio"] for _, c in points]
+            low = [c["ratio"] - c["ratio_interval"][0] if c["ratio_interval"] else 0.0 for _, c in points]
+            high = [c["ratio_interval"][1] - c["ratio"] if c["ratio_interval"] else 0.0 for _, c in points]
+            ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, color=colours[n], label=method)
+        ax.axhline(0.5, color="black", linestyle="--", linewidth=1)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log")
+        budgets = sorted({float(b) for (m, b) in cells if m != "full"})
+        ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+        ax.minorticks_off()
+        ax.set_title(label)
+        ax.set_xlabel("budget (fraction kept)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("loss ratio to the base method")
+    axes[-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle(f"question-{regime}: CriticalKV's loss over its base's (below the dashed line: cut by more than half)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return fig
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+", help="LABEL=FOLDER, a sweep folder (results.jsonl) per column")
     parser.add_argument("--regime", choices=("aware", "agnostic"), required=True)
+    parser.add_argument("--plot", type=Path, help="also draw the loss ratios against the budget to this PNG")
     args = parser.parse_args()
     folders = {}
     for item in args.folders:
@@ -83,6 +126,8 @@ def main() -> None:
             parser.error(f"give each folder as LABEL=FOLDER, got {item!r}")
         folders[label] = Path(folder)
     print(table(folders, args.regime))
+    if args.plot:
+        ratio_plot(folders, args.regime, args.plot)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "kvpress"))
 
 from compare_sweeps import compare
-from headline_table import table
+from headline_table import ratio_plot, table
 from plot_benchmarks import (
     answer_cells,
     compression_table,
@@ -787,6 +787,27 @@ def test_the_headline_table_puts_each_models_figures_in_its_column(tmp_path):
     big_critical, small_critical = (cell.strip() for cell in rows[("`critical-snapkv`", "0.2")])
     assert big_critical.startswith("75.0 · 25.0% (") and " · 0.50 (" in big_critical
     assert small_critical == "not run"
+
+
+def test_the_headline_plot_draws_each_models_loss_ratios_in_a_panel(tmp_path):
+    """A panel per folder; in each, a line per CriticalKV variant through its loss ratio at each budget (0.5 at 0.2:
+    the base loses 50%, the variant 25%), the 0.5 line drawn."""
+    big = {("a", i, "full", 1.0): 100.0 for i in range(4)}
+    for budget, base, variant in ((0.2, [0, 0, 100, 100], [0, 100, 100, 100]), (0.4, [0, 100, 100, 100], [0] * 4)):
+        big |= {("a", i, "snapkv", budget): s for i, s in enumerate(base)}
+        big |= {("a", i, "critical-snapkv", budget): s for i, s in enumerate(variant)}
+    small = {("a", i, "full", 1.0): 100.0 for i in range(2)} | {("a", i, "snapkv", 0.2): 0.0 for i in range(2)}
+    small |= {("a", i, "critical-snapkv", 0.2): 100.0 * i for i in range(2)}
+    folders = {"big": _sweep_folder(tmp_path / "big", big), "small": _sweep_folder(tmp_path / "s", small)}
+    fig = ratio_plot(folders, "aware", tmp_path / "ratios.png")
+    assert (tmp_path / "ratios.png").stat().st_size > 0
+    big_ax, small_ax = fig.axes
+    assert (big_ax.get_title(), small_ax.get_title()) == ("big", "small")
+    [big_bars] = [bars for bars in big_ax.containers if bars.get_label() == "critical-snapkv"]
+    assert list(big_bars.lines[0].get_ydata()) == [0.5, 4.0]  # 25% over 50%; 100% over 25%
+    [small_bars] = [bars for bars in small_ax.containers if bars.get_label() == "critical-snapkv"]
+    assert list(small_bars.lines[0].get_ydata()) == [0.5]
+    assert any(list(line.get_ydata()) == [0.5, 0.5] for line in big_ax.get_lines())
 
 
 def test_gpu_layer_costs_time_every_piece_each_method_calls(monkeypatch) -> None:

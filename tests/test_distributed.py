@@ -467,6 +467,7 @@ def _sign_check_on_two_ranks(rank: int, port: int, out: str) -> None:
         except Exception as error:  # what each rank raised is the result
             raised[type(selector).__name__] = type(error).__name__
     Path(out, f"{rank}.json").write_text(json.dumps(raised))
+    dist.barrier()  # neither rank tears gloo down while the other still talks to it (a teardown race aborted a run)
     dist.destroy_process_group()
 
 
