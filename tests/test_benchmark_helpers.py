@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import statistics
 import sys
@@ -878,3 +879,50 @@ def test_surrogate_domains_measures_on_the_held_out_fifth_and_the_two_haystacks(
     assert got["ruler-essays"] == load_haystack()
     assert got["language-reference"] == haystack_text() and len(haystack_text()) > 100_000
     assert haystack_id() == hashlib.sha256(haystack_text().encode()).hexdigest()[:12]
+
+
+def test_surrogate_texts_reads_the_factbooks_prose_and_measures_every_map_on_the_same_windows(
+    tmp_path, tiny_tokenizer
+) -> None:
+    """The Factbook text: every ``text`` field of at least MIN_WORDS words, nested anywhere, in sorted file order.
+    The fit: the surrogate's maps from the given windows' rows (the same as train-scorer's on the same windows).
+    The measure: each map on the same windows of each text, the map fitted on a text's windows best on them."""
+    import torch
+    from surrogate_texts import MIN_WORDS, factbook_text, fitted, measured
+    from test_surrogate import OPTIONS, _model, _text
+
+    from criticalkv.scorers.reconstruct import ReconstructionScorer
+    from criticalkv.training.surrogate import collect, split_windows, train_surrogate, window_ids
+
+    long = " ".join(["word"] * MIN_WORDS)
+    for region, name, body in (
+        ("b-region", "y.json", {"Economy": {"Overview": {"text": "second " + long}}, "Area": {"text": "12 sq km"}}),
+        ("a-region", "x.json", {"Intro": [{"Background": {"text": "first " + long}}], "Short": {"text": "a b c"}}),
+    ):
+        (tmp_path / "data" / region).mkdir(parents=True)
+        (tmp_path / "data" / region / name).write_text(json.dumps(body))
+    assert factbook_text(tmp_path) == f"first {long}\nsecond {long}"
+
+    model, text = _model(), _text()
+    scorer = ReconstructionScorer(chunk_size=OPTIONS.chunk_size, tokenizer=tiny_tokenizer)
+    trained = train_surrogate(model, tiny_tokenizer, text, OPTIONS, "tiny-llama", progress=False)
+    windows = split_windows(tiny_tokenizer, text.text, OPTIONS)[0]
+    refit = fitted([collect(model, ids, scorer) for ids in windows], OPTIONS.ridge, trained.fingerprint)
+    torch.testing.assert_close(refit.weight, trained.weight)
+    torch.testing.assert_close(refit.bias, trained.bias)
+
+    other = " ".join(f"token{i % 37} and more" for i in range(4000))  # text unlike the training text
+    other_map = fitted(
+        [
+            collect(model, ids, scorer)
+            for ids in window_ids(tiny_tokenizer, other, 2, 96, torch.Generator().manual_seed(5))
+        ],
+        OPTIONS.ridge,
+        trained.fingerprint,
+    )
+    maps = {"words": refit, "other": other_map}
+    report = measured(model, tiny_tokenizer, maps, {"other": other}, scorer, 2, 96, 0.2, seed=5)
+    assert set(report) == {"other"} and set(report["other"]) == {"words", "other"}
+    figures = report["other"]
+    assert all(-1 <= f["mean_spearman"] <= 1 and 0 <= f["mean_overlap"] <= 1 for f in figures.values())
+    assert figures["other"]["mean_spearman"] >= figures["words"]["mean_spearman"]  # measured on its own windows
