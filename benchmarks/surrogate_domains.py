@@ -26,7 +26,7 @@ from criticalkv.eval.needle import load_haystack
 from criticalkv.models import load_model
 from criticalkv.progress import step_progress
 from criticalkv.scorers.reconstruct import ReconstructionScorer
-from criticalkv.scorers.surrogate import shipped_for
+from criticalkv.scorers.surrogate import SurrogateWeights, shipped_for
 from criticalkv.training.surrogate import HeldOutFit, collect, split_text, window_ids
 from criticalkv.training.text import kjv_text
 
@@ -38,6 +38,40 @@ def texts() -> dict[str, str]:
         "ruler-essays": load_haystack(),
         "language-reference": haystack_text(),
     }
+
+
+def card_scorer(weights: SurrogateWeights, tokenizer) -> ReconstructionScorer:
+    """The reconstruction scorer a surrogate was fitted to: its card's chunk size and sinks."""
+    built = weights.card["training"]["reconstruction"]
+    return ReconstructionScorer(chunk_size=built["chunk_size"], tokenizer=tokenizer, sinks=built["sinks"])
+
+
+def measured(
+    model: torch.nn.Module,
+    tokenizer,
+    maps: dict[str, SurrogateWeights],
+    texts: dict[str, str],
+    scorer: ReconstructionScorer,
+    windows: int,
+    tokens: int,
+    budget: float,
+    seed: int,
+) -> dict[str, dict[str, dict]]:
+    """text -> map -> ``HeldOutFit.figures`` (Spearman, per-head kept-set overlap at ``budget``, that overlap across
+    layers, per layer), every map measured on the same ``windows`` seeded windows of each text (one reconstruction
+    pass a window)."""
+    report: dict[str, dict[str, dict]] = {}
+    with step_progress("surrogate fit per text", windows * len(texts)) as advance:
+        for name, text in texts.items():
+            fits = {label: HeldOutFit() for label in maps}
+            generator = torch.Generator().manual_seed(seed)
+            for index, ids in enumerate(window_ids(tokenizer, text, windows, tokens, generator)):
+                samples = collect(model, ids, scorer)
+                for label, weights in maps.items():
+                    fits[label].add(samples, weights, budget)
+                advance(f"{name} window {index + 1}/{windows}")
+            report[name] = {label: fit.figures(budget) for label, fit in fits.items()}
+    return report
 
 
 def main() -> None:
@@ -56,27 +90,19 @@ def main() -> None:
     weights = shipped_for(model)
     training = weights.card["training"]
     tokens, budget = training["tokens_per_window"], weights.card["held_out_fit"]["budget"]
-    built = training["reconstruction"]
-    scorer = ReconstructionScorer(chunk_size=built["chunk_size"], tokenizer=tokenizer, sinks=built["sinks"])
+    scorer = card_scorer(weights, tokenizer)
+    fits = measured(model, tokenizer, {"shipped": weights}, texts(), scorer, args.windows, tokens, budget, args.seed)
     report = {
         "command": "python benchmarks/surrogate_domains.py "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
         "model": args.model,
         "tokens_per_window": tokens,
         "card_held_out_fit": {k: weights.card["held_out_fit"][k] for k in ("mean_spearman", "mean_overlap")},
-        "texts": {},
+        "texts": {
+            name: {k: row["shipped"][k] for k in ("mean_spearman", "mean_overlap", "cross_layer_overlap", "per_layer")}
+            for name, row in fits.items()
+        },
     }
-    sources = texts()
-    with step_progress("surrogate fit per text", args.windows * len(sources)) as advance:
-        for name, text in sources.items():
-            generator = torch.Generator().manual_seed(args.seed)
-            fit = HeldOutFit()
-            for index, ids in enumerate(window_ids(tokenizer, text, args.windows, tokens, generator)):
-                fit.add(collect(model, ids, scorer), weights, budget)
-                advance(f"{name} window {index + 1}/{args.windows}")
-            figures = fit.figures(budget)
-            report["texts"][name] = {k: figures[k] for k in ("mean_spearman", "mean_overlap", "cross_layer_overlap")}
-            report["texts"][name]["per_layer"] = figures["per_layer"]
     for name, row in report["texts"].items():
         print(
             f"{name:22s} Spearman {row['mean_spearman']:.3f}  overlap at {budget} {row['mean_overlap']:.3f}  "

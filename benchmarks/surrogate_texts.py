@@ -21,14 +21,13 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import torch
+from surrogate_domains import card_scorer, measured
 from surrogate_domains import texts as domain_texts
 
 from criticalkv.models import load_model
 from criticalkv.progress import step_progress
-from criticalkv.scorers.reconstruct import ReconstructionScorer
 from criticalkv.scorers.surrogate import SurrogateWeights, shipped_for
 from criticalkv.training.surrogate import (
-    HeldOutFit,
     LayerSample,
     NormalEquations,
     TrainingOptions,
@@ -81,37 +80,6 @@ def fitted(samples: Iterable[list[LayerSample]], ridge: float, fingerprint: str)
     return SurrogateWeights(weight, bias, layers, fingerprint)
 
 
-def measured(
-    model: torch.nn.Module,
-    tokenizer,
-    maps: dict[str, SurrogateWeights],
-    texts: dict[str, str],
-    scorer: ReconstructionScorer,
-    windows: int,
-    tokens: int,
-    budget: float,
-    seed: int,
-) -> dict[str, dict[str, dict[str, float]]]:
-    """text -> map -> Spearman, per-head kept-set overlap at ``budget`` and that overlap across layers, each map
-    measured on the same seeded windows of each text (one reconstruction pass a window)."""
-    report: dict[str, dict[str, dict[str, float]]] = {}
-    with step_progress("surrogate fit per text", windows * len(texts)) as advance:
-        for name, text in texts.items():
-            fits = {label: HeldOutFit() for label in maps}
-            for index, ids in enumerate(
-                window_ids(tokenizer, text, windows, tokens, torch.Generator().manual_seed(seed))
-            ):
-                samples = collect(model, ids, scorer)
-                for label, weights in maps.items():
-                    fits[label].add(samples, weights, budget)
-                advance(f"{name} window {index + 1}/{windows}")
-            report[name] = {}
-            for label, fit in fits.items():
-                figures = fit.figures(budget)
-                report[name][label] = {k: figures[k] for k in ("mean_spearman", "mean_overlap", "cross_layer_overlap")}
-    return report
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="a preset with a shipped surrogate")
@@ -128,8 +96,7 @@ def main() -> None:
     shipped = shipped_for(model)
     training = shipped.card["training"]
     tokens, budget, ridge = training["tokens_per_window"], shipped.card["held_out_fit"]["budget"], training["ridge"]
-    built = training["reconstruction"]
-    scorer = ReconstructionScorer(chunk_size=built["chunk_size"], tokenizer=tokenizer, sinks=built["sinks"])
+    scorer = card_scorer(shipped, tokenizer)
     count = training["windows"]
     # drawn first, before any held-out window, so these are the shipped map's own training windows
     options = TrainingOptions(windows=count, held_out=1, tokens=tokens, seed=training["seed"])
@@ -159,7 +126,15 @@ def main() -> None:
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
         "model": args.model,
         "tokens_per_window": tokens,
-        "texts": measured(model, tokenizer, maps, texts, scorer, args.windows, tokens, budget, args.seed),
+        "texts": {
+            name: {
+                label: {k: fit[k] for k in ("mean_spearman", "mean_overlap", "cross_layer_overlap")}
+                for label, fit in row.items()
+            }
+            for name, row in measured(
+                model, tokenizer, maps, texts, scorer, args.windows, tokens, budget, args.seed
+            ).items()
+        },
     }
     for name, row in report["texts"].items():
         for label, figures in row.items():

@@ -888,7 +888,8 @@ def test_surrogate_texts_reads_the_factbooks_prose_and_measures_every_map_on_the
     The fit: the surrogate's maps from the given windows' rows (the same as train-scorer's on the same windows).
     The measure: each map on the same windows of each text, the map fitted on a text's windows best on them."""
     import torch
-    from surrogate_texts import MIN_WORDS, factbook_text, fitted, measured
+    from surrogate_domains import card_scorer, measured
+    from surrogate_texts import MIN_WORDS, factbook_text, fitted
     from test_surrogate import OPTIONS, _model, _text
 
     from criticalkv.scorers.reconstruct import ReconstructionScorer
@@ -904,8 +905,10 @@ def test_surrogate_texts_reads_the_factbooks_prose_and_measures_every_map_on_the
     assert factbook_text(tmp_path) == f"first {long}\nsecond {long}"
 
     model, text = _model(), _text()
-    scorer = ReconstructionScorer(chunk_size=OPTIONS.chunk_size, tokenizer=tiny_tokenizer)
     trained = train_surrogate(model, tiny_tokenizer, text, OPTIONS, "tiny-llama", progress=False)
+    scorer = card_scorer(trained, tiny_tokenizer)  # the scorer the card says the map was fitted to
+    reference = ReconstructionScorer(chunk_size=OPTIONS.chunk_size, tokenizer=tiny_tokenizer)
+    assert (scorer.chunk_size, scorer.sinks) == (reference.chunk_size, reference.sinks)
     windows = split_windows(tiny_tokenizer, text.text, OPTIONS)[0]
     refit = fitted([collect(model, ids, scorer) for ids in windows], OPTIONS.ridge, trained.fingerprint)
     torch.testing.assert_close(refit.weight, trained.weight)
