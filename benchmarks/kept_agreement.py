@@ -1,19 +1,20 @@
 """How many of the entries CriticalKV keeps with its default value norms are the ones every float32 norm keeps.
 
-One prefill of the needle prompt serves every (method, budget) pair twice (``SharedPrefill``): with the default
-value-norm path (the screen where it runs, the fused kernel on a GPU) and with ``screen=false`` (every float32 norm
-from the chunked products: the reference). The screened pairs decide first, so none of them reads the norms a
-reference pair computed. Per pair: the share of the reference's kept entries the default path keeps too, and the
-layers where the two keep masks differ at all.
+One prefill of the needle prompt serves every (method, budget) pair with the default value-norm path (the screen
+where it runs, the fused kernel on a GPU or a CPU with AMX), and a second prefill of the same prompt every pair
+with ``screen=false`` and the fused kernels switched off (every float32 norm from torch's chunked products: the
+reference). Per pair: the share of the reference's kept entries the default path keeps too, and the layers where
+the two keep masks differ at all.
 
     python benchmarks/kept_agreement.py --model smollm2-135m --tokens 4096 --budgets 0.1,0.2,0.4 \
-        --out results/kept_agreement_smollm2_4k.json
-"""
+        --out results/kept_agreement_smollm2_4k.json"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from criticalkv.methods import build_method
 from criticalkv.models import load_model
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.shared_prefill import SharedPrefill
+from criticalkv.selectors import value_norm, value_norm_amx
 
 
 def recording(method: Method, masks: list[torch.Tensor]) -> Method:
@@ -36,6 +38,17 @@ def recording(method: Method, masks: list[torch.Tensor]) -> Method:
 
     method.decide = decide_and_record
     return method
+
+
+@contextlib.contextmanager
+def fused_kernels_off() -> Iterator[None]:
+    """Every float32 norm from torch's chunked products: neither the GPU's Triton kernel nor the CPU's AMX one."""
+    kernel, handles = value_norm.fused_kernel, value_norm_amx.handles
+    value_norm.fused_kernel, value_norm_amx.handles = (lambda: None), (lambda values, weight: False)
+    try:
+        yield
+    finally:
+        value_norm.fused_kernel, value_norm_amx.handles = kernel, handles
 
 
 def main() -> None:
@@ -55,21 +68,23 @@ def main() -> None:
     ids = torch.tensor([needle_prompt_ids(tokenizer, args.tokens)])
     pairs = [(spec, budget) for spec in args.methods.split(",") for budget in args.budgets.split(",")]
     masks: dict[tuple[str, str, str], list[torch.Tensor]] = {}
-    targets = []
-    for path in ("default", "reference"):  # every default pair before any reference one
+    for path, off in (("default", contextlib.nullcontext()), ("reference", fused_kernels_off())):
+        targets = []
         for spec, budget in pairs:
             masks[spec, budget, path] = []
             full_spec = spec if path == "default" else f"{spec}:screen=false"
             targets.append(
                 (f"{path} {spec} {budget}", recording(build_method(full_spec), masks[spec, budget, path]), budget)
             )
-    SharedPrefill(model, targets).prefill(ids)
+        with off:
+            SharedPrefill(model, targets).prefill(ids)
 
     report = {
         "command": "python benchmarks/kept_agreement.py "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
         "prompt_tokens": int(ids.shape[1]),
         "dtype": str(next(model.parameters()).dtype),
+        "cpu_value_norms": value_norm_amx.describe(),
         "pairs": {},
     }
     for spec, budget in pairs:

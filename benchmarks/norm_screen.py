@@ -60,8 +60,8 @@ def main() -> None:
         computed.append(0)
         return screened_top(*args, **kwargs)
 
-    def noting(values: torch.Tensor) -> str | None:
-        kind = screen_kind(values)
+    def noting(values: torch.Tensor, o_proj_weight: torch.Tensor) -> str | None:
+        kind = screen_kind(values, o_proj_weight)
         kinds.add(kind)
         return kind
 

@@ -26,6 +26,7 @@ import transformers
 from criticalkv.eval.needle import needle_prompt_ids
 from criticalkv.models import load_model
 from criticalkv.runtime.session import ContextSession
+from criticalkv.selectors import value_norm_amx
 
 
 def run_ratios(
@@ -100,6 +101,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "clock": args.clock,
         "machine": platform.machine(),
+        "cpu_value_norms": value_norm_amx.describe(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "seconds": times,
         "median_seconds": {name: statistics.median(t) for name, t in times.items()},

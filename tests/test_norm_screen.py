@@ -204,7 +204,7 @@ def test_critical_selector_screened_equals_unscreened(stage2, kind, monkeypatch)
     budgets."""
     calls = []
     screened = norm_screen.take_top_by_value_norm
-    monkeypatch.setattr(critical_module, "screen_kind", lambda values: kind)
+    monkeypatch.setattr(critical_module, "screen_kind", lambda values, weight: kind)
     monkeypatch.setattr(critical_module, "take_top_by_value_norm", lambda *a: calls.append(1) or screened(*a))
     b, h_kv, t = 3, 2, 96
     for seed in range(4):
@@ -227,21 +227,21 @@ def test_each_bracket_runs_where_it_pays_and_none_elsewhere(monkeypatch):
     a budget whose first round would hold more than a third of a head's entries."""
     view = _bf16_view(1, 2, 2, 32, 8, 16, seed=0)
     native = norm_screen.cpu_multiplies_bfloat16()
-    assert norm_screen.screen_kind(view.values) == ("bfloat16" if native else "l2")
-    assert norm_screen.screen_kind(view.values.float()) == "l2"
-    assert norm_screen.screen_kind(view.values.double()) == "l2"
+    assert norm_screen.screen_kind(view.values, view.o_proj_weight) == ("bfloat16" if native else "l2")
+    assert norm_screen.screen_kind(view.values.float(), view.o_proj_weight) == "l2"
+    assert norm_screen.screen_kind(view.values.double(), view.o_proj_weight) == "l2"
     mkldnn, cuda = torch.backends.mkldnn.matmul, torch.backends.cuda.matmul
     try:
         for setting, value, kind in [(mkldnn, "bf16", None), (mkldnn, "tf32", None), (cuda, "tf32", "l2")]:
             setting.fp32_precision = value  # torch's newer setting (the older getter raises once it is used)
-            assert norm_screen.screen_kind(view.values.float()) == kind, (value, kind)
+            assert norm_screen.screen_kind(view.values.float(), view.o_proj_weight) == kind, (value, kind)
             setting.fp32_precision = "none"
         torch.set_float32_matmul_precision("medium")  # the older one: bfloat16 products in oneDNN
-        assert norm_screen.screen_kind(view.values.float()) is None
+        assert norm_screen.screen_kind(view.values.float(), view.o_proj_weight) is None
     finally:
         mkldnn.fp32_precision = cuda.fp32_precision = "none"
         torch.set_float32_matmul_precision("highest")
-    monkeypatch.setattr(critical_module, "screen_kind", lambda values: "l2")
+    monkeypatch.setattr(critical_module, "screen_kind", lambda values, weight: "l2")
     assert CriticalSelector()._screen(view) == "l2"
     assert CriticalSelector(screen=False)._screen(view) is None
     assert CriticalSelector(norm_dtype="model")._screen(view) is None
@@ -266,7 +266,7 @@ def test_screen_bounds_are_computed_once_per_view(kind, monkeypatch):
     """A prefill compressed for several budgets (a sweep) computes a bracket once."""
     calls = []
     bounds = norm_screen.BRACKETS[kind]
-    monkeypatch.setattr(critical_module, "screen_kind", lambda values: kind)
+    monkeypatch.setattr(critical_module, "screen_kind", lambda values, weight: kind)
     monkeypatch.setitem(norm_screen.BRACKETS, kind, lambda *a: calls.append(1) or bounds(*a))
     view = _bf16_view(2, 2, 2, 64, 8, 24, seed=3, dtype=torch.bfloat16 if kind == "bfloat16" else torch.float32)
     scores = torch.rand(2, 2, 64, generator=torch.Generator().manual_seed(4))
@@ -291,7 +291,7 @@ def test_cuda_computes_every_norm_in_the_fused_kernel_and_chooses_what_the_cpu_c
         budgets = torch.full((b, h_kv), t // 5)
         want = CriticalSelector(screen=False).select(scores, budgets, protected, view)
         on_gpu = _bf16_view(b, h_kv, 4, t, 64, 256, seed, device="cuda")
-        assert norm_screen.screen_kind(on_gpu.values) is None
+        assert norm_screen.screen_kind(on_gpu.values, on_gpu.o_proj_weight) is None
         got = CriticalSelector().select(scores.cuda(), budgets.cuda(), protected.cuda(), on_gpu)
         assert torch.equal(got.cpu(), want), seed
 

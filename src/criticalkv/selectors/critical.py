@@ -126,7 +126,7 @@ class CriticalSelector(Selector):
             and self.value_norm == "group_mean"
             and ("value_norm", torch.float32) not in view.memo
         )
-        return screen_kind(view.values) if screened else None
+        return screen_kind(view.values, view.o_proj_weight) if screened else None
 
     def _stage2_attention(self, scores: torch.Tensor, view: LayerView) -> torch.Tensor:
         """The attention A of ``(A + eps) * N`` with group-mean norms: (b, h_kv, t) float32."""

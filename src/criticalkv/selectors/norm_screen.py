@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from criticalkv.core.device import cpu_multiplies_bfloat16
+from criticalkv.selectors import value_norm_amx
 from criticalkv.selectors.base import add_top, largest, open_places
 from criticalkv.selectors.value_norm import fused_kernel, projected_value_norm
 
@@ -49,13 +50,14 @@ L2_MOST_IN_FIRST_ROUND = 1 / 3
 _UNIT = 2.0**-24  # float32's unit roundoff
 
 
-def screen_kind(values: torch.Tensor) -> str | None:
+def screen_kind(values: torch.Tensor, o_proj_weight: torch.Tensor) -> str | None:
     """Which bracket pays off for these values: ``"bfloat16"`` (bfloat16 values on a device with native bfloat16
     products), ``"l2"`` (any other values on a CPU whose float32 products are exact float32 ones), or None. None on
-    a GPU with Triton: its fused kernel computes every float32 norm from the same bfloat16 tensor-core products the
-    bfloat16 bracket would (``value_norm_triton``), so no bracket can save anything there."""
+    a GPU with Triton and for bfloat16 values on a CPU with AMX: their fused kernels compute every float32 norm from
+    the same bfloat16 products the bfloat16 bracket would (``value_norm_triton``, ``value_norm_amx``), so no bracket
+    can save anything there."""
     on_cpu = values.device.type == "cpu"
-    if values.is_cuda and fused_kernel() is not None:
+    if (values.is_cuda and fused_kernel() is not None) or value_norm_amx.handles(values, o_proj_weight):
         return None
     if values.dtype == torch.bfloat16 and (values.is_cuda or (on_cpu and cpu_multiplies_bfloat16())):
         return "bfloat16"

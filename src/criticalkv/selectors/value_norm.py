@@ -11,6 +11,7 @@ from torch import nn
 
 from criticalkv.errors import UnsupportedModelError
 from criticalkv.models.families import attention_modules
+from criticalkv.selectors import value_norm_amx
 
 #: The dtypes of an output projection weight that is W_O itself (a quantized one holds codes and scales apart).
 PLAIN_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -77,7 +78,8 @@ def projected_value_norm(
     compute_dtype
         dtype of the product V W_O (float32 by default; None uses the values' own dtype, as kvpress does, which
         is about twice as fast in bfloat16 on CPUs with AMX). The L1 sum is always accumulated in float32. On a
-        GPU the float32 group mean comes from one Triton kernel (``value_norm_triton``) that never writes the
+        GPU the float32 group mean comes from one Triton kernel (``value_norm_triton``), and bfloat16 values on a
+        CPU with AMX give the float32 norms from one C kernel (``value_norm_amx``): neither writes the
         (t, G * hidden) product out.
     rounded_sums
         Sum each query head's L1 norm in the compute dtype: torch accumulates a bfloat16 sum in float32 and rounds
@@ -90,6 +92,9 @@ def projected_value_norm(
         raise ValueError(f"o_proj takes {in_features} inputs, not a multiple of {h_kv} KV heads x head_dim {d}")
     if values.is_cuda and compute_dtype == torch.float32 and not per_head and fused_kernel() is not None:
         return fused_kernel()(values, o_proj_weight)
+    if compute_dtype == torch.float32 and value_norm_amx.handles(values, o_proj_weight):
+        norms = value_norm_amx.amx_kernel()(values, o_proj_weight)  # (b, h_kv, t, G) float32
+        return norms.transpose(-1, -2) if per_head else norms.mean(-1)
     g = in_features // (h_kv * d)
     dtype = values.dtype if compute_dtype is None else compute_dtype
     # (hidden, h_kv, G, d) -> (h_kv, G, d, hidden): query head g's W^g, a (d, hidden) matrix
