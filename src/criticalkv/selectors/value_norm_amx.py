@@ -2,10 +2,10 @@
 
 torch has no CPU operator that sums a product's absolute values inside the product: ``value_norm``'s chunked products
 write every (t, G * hidden) result out and read it back twice (absolute value, sum), about as long as the product
-itself. The C kernel multiplies 16 rows of o_proj's weight (16 output features of W_O^g) by 16 tokens' values in AMX tiles
-(bfloat16 products accumulated in float32) and adds the tile's absolute values to AVX-512 registers while it is still
-in L1, so only the (t,) norms reach memory. bfloat16 times bfloat16 is exact in float32, so the norms are the float32 reference's up to the order
-of the sums, as on a GPU (``value_norm_triton``).
+itself. The C kernel multiplies 16 rows of o_proj's weight (16 output features of W_O^g) by 16 tokens' values in AMX
+tiles (bfloat16 products accumulated in float32) and adds the tile's absolute values to AVX-512 registers while it is
+still in L1, so only the (t,) norms reach memory. bfloat16 times bfloat16 is exact in float32, so the norms are the
+float32 reference's up to the order of the sums, as on a GPU (``value_norm_triton``).
 
 It is compiled on first use with the system's C compiler (``$CC``, else ``cc``) into criticalkv's cache folder, once
 per source and compiler. ``amx_kernel()`` is None, and ``why_no_amx_kernel()`` says why, where the CPU has no AMX,
