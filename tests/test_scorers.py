@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from transformers import Gemma2Config, GptOssConfig
 from transformers.models.gemma2 import modeling_gemma2 as gemma2_modeling
@@ -15,7 +17,7 @@ from transformers.models.gpt_oss import modeling_gpt_oss as gpt_oss_modeling
 from criticalkv.budget import Budget
 from criticalkv.runtime.method import Method
 from criticalkv.scorers import KeyNormScorer, LayerView, SnapKVScorer, StreamingScorer, TOVAScorer
-from criticalkv.scorers.base import CPU_KEY_CHUNK, window_attention
+from criticalkv.scorers.base import CPU_KEY_CHUNK, pool_along_keys, window_attention
 from criticalkv.selectors import CriticalSelector, TopKSelector
 
 
@@ -274,3 +276,17 @@ def test_key_norm_scores():
         for h in range(2):
             norms = view.keys[bi, h].norm(dim=-1).masked_fill(~view.valid[bi], float("inf"))
             assert decision.keep[bi, h].nonzero().flatten().tolist() == sorted(norms.argsort()[:3].tolist())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    n=st.integers(1, 40),
+    kernel=st.sampled_from([1, 3, 5, 7, 9]),
+    seed=st.integers(0, 2**16),
+)
+def test_pool_along_keys_is_torchs_average_pool_to_the_bit(rows, n, kernel, seed):
+    """The shifted-add pool gives ``F.avg_pool1d``'s float32 bits, rows shorter than the kernel included."""
+    x = torch.rand(rows, n, generator=torch.Generator().manual_seed(seed)).softmax(-1)
+    want = F.avg_pool1d(x[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+    assert torch.equal(pool_along_keys(x, kernel), want)

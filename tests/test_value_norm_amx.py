@@ -115,12 +115,18 @@ def test_switched_off_kernel_says_why_and_torch_computes_the_norms(monkeypatch):
 
 @needs_kernel
 def test_a_compiler_that_fails_leaves_the_kernel_out_and_says_so(monkeypatch, tmp_path):
-    """A compiler that cannot build the kernel (here one that always fails) is reported, not raised."""
+    """A compiler that cannot build the kernel (here one that always fails), or none, is reported with a warning on
+    a CPU with AMX, not raised."""
     value_norm_amx.amx_kernel.cache_clear()
     try:
         monkeypatch.setenv("CC", "false")
         monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
-        assert value_norm_amx.amx_kernel() is None
+        with pytest.warns(UserWarning, match="did not build.*torch's products"):
+            assert value_norm_amx.amx_kernel() is None
         assert "did not build" in value_norm_amx.why_no_amx_kernel()
+        value_norm_amx.amx_kernel.cache_clear()
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+        with pytest.warns(UserWarning, match="no C compiler"):
+            assert value_norm_amx.amx_kernel() is None
     finally:
         value_norm_amx.amx_kernel.cache_clear()

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from criticalkv.core.view import LayerView
-from criticalkv.scorers.base import Scorer, last_positions, window_attention
+from criticalkv.scorers.base import Scorer, last_positions, pool_along_keys, window_attention
 
 #: Where the "window mass" subtracted from stage 1's target is measured (docs/method.md, DefensiveKV).
 MASS_SLICES = ("intended", "reference")
@@ -113,10 +112,11 @@ class DefensiveScorer(Scorer):
         valid = view.valid[:, :n]  # (b, n)
         if n > 0:
             mass = context.sum(-1, keepdim=True)  # (b, h_kv, G, w, 1): each query row's mass on the context
-            pooled = F.avg_pool1d(context.reshape(-1, 1, n), self.kernel, stride=1, padding=self.kernel // 2)
-            pooled = pooled.view_as(context).masked_fill(~valid[:, None, None, None, :], 0.0)
-            pooled_mass = pooled.sum(-1, keepdim=True)
-            context = pooled * torch.where(pooled_mass > 0, mass / pooled_mass, torch.zeros_like(mass))
+            context = pool_along_keys(context, self.kernel)  # a new tensor: scaled in place below
+            if not bool(valid.all()):
+                context.masked_fill_(~valid[:, None, None, None, :], 0.0)
+            pooled_mass = context.sum(-1, keepdim=True)
+            context.mul_(torch.where(pooled_mass > 0, mass / pooled_mass, torch.zeros_like(mass)))
         peak = context.amax(dim=(2, 3))  # (b, h_kv, n): worst case over the group's heads and the window
         counted = valid.sum(-1).clamp(min=1)[:, None, None]  # (b, 1, 1)
         floor = peak.masked_fill(~valid[:, None, :], 0.0).sum(-1, keepdim=True) / counted  # (b, h_kv, 1)

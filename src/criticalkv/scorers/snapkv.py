@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from criticalkv.core.view import LayerView
-from criticalkv.scorers.base import Scorer, last_positions, window_attention
+from criticalkv.scorers.base import Scorer, last_positions, pool_along_keys, window_attention
 
 AGGREGATES = ("mean", "max")
 
@@ -30,14 +29,12 @@ def window_head_scores(view: LayerView, window: int, kernel: int, aggregate: str
     """
 
     def compute() -> torch.Tensor:
-        b, h_kv, t, _ = view.keys.shape
+        t = view.keys.shape[2]
         w = min(window, t)
         attn = shared_window_attention(view, w)[..., : t - w]  # (b, h_kv, G, w, t-w): drop the window's columns
         scores = attn.mean(dim=3) if aggregate == "mean" else attn.amax(dim=3)  # (b, h_kv, G, t-w)
         if t - w > 0 and kernel > 1:
-            flat = scores.reshape(-1, 1, t - w)
-            flat = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2)
-            scores = flat.view(b, h_kv, -1, t - w)
+            scores = pool_along_keys(scores, kernel)
         return scores
 
     if aggregate not in AGGREGATES:

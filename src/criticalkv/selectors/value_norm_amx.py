@@ -9,7 +9,7 @@ float32 reference's up to the order of the sums, as on a GPU (``value_norm_trito
 
 It is compiled on first use with the system's C compiler (``$CC``, else ``cc``) into criticalkv's cache folder, once
 per source and compiler. ``amx_kernel()`` is None, and ``why_no_amx_kernel()`` says why, where the CPU has no AMX,
-the platform is not Linux (the kernel asks Linux for the tile state), no compiler builds it, or
+the platform is not Linux (the kernel asks Linux for the tile state), no compiler builds it (a warning then), or
 ``$CRITICALKV_AMX=0``: the norms then come from torch's products (the same norms, more slowly).
 """
 
@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,8 +60,14 @@ def why_no_amx_kernel() -> str | None:
 
 @functools.cache
 def amx_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    """``amx_value_norms`` where this CPU and a C compiler can run the kernel, else None (``why_no_amx_kernel``)."""
-    reason = _unavailable()
+    """``amx_value_norms`` where this CPU and a C compiler can run the kernel, else None (``why_no_amx_kernel``).
+    A CPU with AMX that cannot have the kernel (no compiler, a failed build) gets a warning once: its value norms
+    then take about ten times as long."""
+    reason = _not_applicable()
+    if reason is not None:
+        _reason[:] = [reason]
+        return None
+    reason = _unbuildable()
     if reason is None:
         try:
             library = _load(_compiled())
@@ -73,6 +80,11 @@ def amx_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
                 reason = "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
             else:
                 return functools.partial(amx_value_norms, library)
+    warnings.warn(
+        f"{reason}. CriticalKV's value norms come from torch's products on this AMX CPU instead (the same norms, "
+        f"about ten times slower; ${SWITCH_ENV_VAR}=0 says so without this warning)",
+        stacklevel=2,
+    )
     _reason[:] = [reason]
     return None
 
@@ -119,16 +131,21 @@ def amx_value_norms(library: ctypes.CDLL, values: torch.Tensor, o_proj_weight: t
     return out
 
 
-def _unavailable() -> str | None:
-    """Why the kernel cannot run here before trying to build it, or None."""
+def _not_applicable() -> str | None:
+    """Why the kernel is not for this machine or was switched off, or None."""
     if os.environ.get(SWITCH_ENV_VAR, "1") == "0":
         return f"${SWITCH_ENV_VAR}=0"
     if not sys.platform.startswith("linux"):
         return "the AMX kernel asks Linux for the tile state; this is " + sys.platform
     if not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
         return "this CPU has no AMX tiles (or torch cannot tell)"
+    return None
+
+
+def _unbuildable() -> str | None:
+    """Why the kernel cannot be built here before trying, or None."""
     if shutil.which(_compiler()) is None:
-        return f"no C compiler ({_compiler()}; set $CC) to build the AMX kernel"
+        return f"no C compiler ({_compiler()}; set $CC) to build the AMX value-norm kernel"
     return None
 
 
