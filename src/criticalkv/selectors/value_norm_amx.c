@@ -5,9 +5,10 @@
 // q's d inputs each) make one AMX tile, and 16 tokens' values, rearranged into AMX's pairwise layout, the other. Each
 // 16 x 16 float32 product tile (features x tokens) goes to a 1 KiB buffer that stays in L1, and AVX-512 adds the
 // absolute values of its rows to registers of 16 tokens' sums. The weight's tiles are first copied out contiguously
-// (a strided tile load of its rows ran at half the speed for head_dim 128), once per call. bfloat16 times bfloat16
-// is exact in float32 and the tiles accumulate in float32, so the norms are the float32 ones up to the order of the
-// sums.
+// (a strided tile load of its rows ran at half the speed for head_dim 128), once per call, and each load of them
+// serves 4 tiles of tokens (one served 16 tokens at half the speed for head_dim 128, where a KV head's weight
+// outgrows the L2 cache). bfloat16 times bfloat16 is exact in float32 and the tiles accumulate in float32, so the
+// norms are the float32 ones up to the order of the sums.
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -20,6 +21,7 @@
 #define FEATURES 16 // output features per tile (its rows)
 #define PAIRS 16    // pairs of bfloat16 inputs per tile row (64 bytes)
 #define TILE 512    // bfloat16 values in a tile (1 KiB)
+#define SHARING 4   // token tiles that share each load of the weight's tiles
 
 typedef struct {
     uint8_t palette;
@@ -53,36 +55,28 @@ static void pack_tokens(const uint32_t *pairs, uint32_t *out, int rows, int64_t 
             for (int r = 0; r < PAIRS; r++) out[(h * PAIRS + r) * TOKENS + n] = pairs[n * halves * PAIRS + h * PAIRS + r];
 }
 
-// sums[c % 4] += |row| for the 16 rows of the product tile in `product` (4 chains: the adds' latency overlaps).
-static inline void add_abs_rows(const float *product, __m512 sums[4]) {
-    for (int m = 0; m < FEATURES; m += 4)
-        for (int c = 0; c < 4; c++)
-            sums[c] = _mm512_add_ps(sums[c], _mm512_abs_ps(_mm512_load_ps(product + (m + c) * TOKENS)));
+// sums[m % 2] += |row m| for the 16 rows of the product tile in `product` (2 chains: the adds' latency overlaps).
+static inline void add_abs_rows(const float *product, __m512 sums[2]) {
+    for (int m = 0; m < FEATURES; m += 2) {
+        sums[0] = _mm512_add_ps(sums[0], _mm512_abs_ps(_mm512_load_ps(product + m * TOKENS)));
+        sums[1] = _mm512_add_ps(sums[1], _mm512_abs_ps(_mm512_load_ps(product + (m + 1) * TOKENS)));
+    }
 }
 
-// Query head q's norms of the 16 tokens in tiles 0..HALVES-1: the weight's rows through tiles A0 and A1, the product
-// in tile C (tile numbers are literals). Leaves the 16 sums in `total`.
-#define NORMS_OF_HEAD(HALVES, A0, A1, C)                                                                               \
-    do {                                                                                                               \
-        __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};         \
-        const uint16_t *w = tiles_of_weight + q * blocks * HALVES * TILE;                                              \
-        for (int64_t jb = 0; jb < blocks; jb++, w += HALVES * TILE) {                                                  \
-            _tile_zero(C);                                                                                             \
-            _tile_loadd(A0, w, 64);                                                                                    \
-            _tile_dpbf16ps(C, A0, 0);                                                                                  \
-            _tile_loadd(A1, w + TILE, 64);                                                                             \
-            _tile_dpbf16ps(C, A1, 1);                                                                                  \
-            if (HALVES == 4) {                                                                                         \
-                _tile_loadd(A0, w + 2 * TILE, 64);                                                                     \
-                _tile_dpbf16ps(C, A0, 2);                                                                              \
-                _tile_loadd(A1, w + 3 * TILE, 64);                                                                     \
-                _tile_dpbf16ps(C, A1, 3);                                                                              \
-            }                                                                                                          \
-            _tile_stored(C, product, 64);                                                                              \
-            add_abs_rows(product, sums);                                                                               \
-        }                                                                                                              \
-        total = _mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3]));                       \
-    } while (0)
+// C (tile 6) = the weight's tiles 0..halves-1 times one token tile's values (`tokens`, through tiles 4 and 5).
+static inline void product_tile(const uint32_t *tokens, int64_t halves) {
+    _tile_zero(6);
+    _tile_loadd(4, tokens, 64);
+    _tile_dpbf16ps(6, 0, 4);
+    _tile_loadd(5, tokens + PAIRS * TOKENS, 64);
+    _tile_dpbf16ps(6, 1, 5);
+    if (halves == 4) {
+        _tile_loadd(4, tokens + 2 * PAIRS * TOKENS, 64);
+        _tile_dpbf16ps(6, 2, 4);
+        _tile_loadd(5, tokens + 3 * PAIRS * TOKENS, 64);
+        _tile_dpbf16ps(6, 3, 5);
+    }
+}
 
 // values (heads, t, d) bfloat16, contiguous, heads = b * h_kv; weight (hidden, h_q * d) bfloat16, contiguous (o_proj's);
 // scratch: room for as many bfloat16 values as the weight; out (heads, t, groups) float32:
@@ -91,7 +85,8 @@ static inline void add_abs_rows(const float *product, __m512 sums[4]) {
 int ckv_value_norms(const uint16_t *values, const uint16_t *weight, uint16_t *scratch, float *out, int64_t heads,
                     int64_t h_kv, int64_t t, int64_t d, int64_t groups, int64_t hidden, int threads) {
     if (d != 64 && d != 128) return -1;
-    const int64_t blocks = hidden / FEATURES, tiles = (t + TOKENS - 1) / TOKENS, in = h_kv * groups * d;
+    const int64_t blocks = hidden / FEATURES, in = h_kv * groups * d;
+    const int64_t groups_of_tiles = (t + SHARING * TOKENS - 1) / (SHARING * TOKENS);
     const int64_t halves = d / (2 * PAIRS);
     const uint16_t *tiles_of_weight = scratch;
 #pragma omp parallel num_threads(threads)
@@ -106,31 +101,42 @@ int ckv_value_norms(const uint16_t *values, const uint16_t *weight, uint16_t *sc
                            weight + (jb * FEATURES + m) * in + q * d + h * 2 * PAIRS, 2 * PAIRS * sizeof(uint16_t));
         }
         configure();
-        uint32_t packed[4 * PAIRS * TOKENS] __attribute__((aligned(64)));
+        uint32_t packed[SHARING * 4 * PAIRS * TOKENS] __attribute__((aligned(64)));
         float product[FEATURES * TOKENS] __attribute__((aligned(64)));
         float norms[TOKENS] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < heads * tiles; task++) {
-            const int64_t i = task / tiles, first = (task % tiles) * TOKENS, kv = i % h_kv;
-            const int rows = (int)(t - first < TOKENS ? t - first : TOKENS);
-            pack_tokens((const uint32_t *)(values + (i * t + first) * d), packed, rows, halves);
-            for (int64_t h = 0; h < halves; h++) {
-                switch (h) {  // tile numbers are literals
-                case 0: _tile_loadd(0, packed, 64); break;
-                case 1: _tile_loadd(1, packed + PAIRS * TOKENS, 64); break;
-                case 2: _tile_loadd(2, packed + 2 * PAIRS * TOKENS, 64); break;
-                case 3: _tile_loadd(3, packed + 3 * PAIRS * TOKENS, 64); break;
-                }
+        for (int64_t task = 0; task < heads * groups_of_tiles; task++) {
+            const int64_t i = task / groups_of_tiles, first = (task % groups_of_tiles) * SHARING * TOKENS;
+            const int64_t kv = i % h_kv, left = t - first;
+            const int count = (int)(left < SHARING * TOKENS ? (left + TOKENS - 1) / TOKENS : SHARING);
+            int rows[SHARING];
+            for (int tt = 0; tt < count; tt++) {
+                rows[tt] = (int)(left - tt * TOKENS < TOKENS ? left - tt * TOKENS : TOKENS);
+                pack_tokens((const uint32_t *)(values + (i * t + first + tt * TOKENS) * d),
+                            packed + tt * halves * PAIRS * TOKENS, rows[tt], halves);
             }
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t q = kv * groups + g;
-                __m512 total;
-                if (d == 64)
-                    NORMS_OF_HEAD(2, 4, 5, 6);
-                else
-                    NORMS_OF_HEAD(4, 4, 5, 6);
-                _mm512_store_ps(norms, total);
-                for (int n = 0; n < rows; n++) out[((i * t) + first + n) * groups + g] = norms[n];
+                __m512 sums[SHARING][2];
+                for (int tt = 0; tt < SHARING; tt++) sums[tt][0] = sums[tt][1] = _mm512_setzero_ps();
+                const uint16_t *w = tiles_of_weight + q * blocks * halves * TILE;
+                for (int64_t jb = 0; jb < blocks; jb++, w += halves * TILE) {
+                    _tile_loadd(0, w, 64);  // the weight's tiles stay for every token tile of the group
+                    _tile_loadd(1, w + TILE, 64);
+                    if (halves == 4) {
+                        _tile_loadd(2, w + 2 * TILE, 64);
+                        _tile_loadd(3, w + 3 * TILE, 64);
+                    }
+                    for (int tt = 0; tt < count; tt++) {
+                        product_tile(packed + tt * halves * PAIRS * TOKENS, halves);
+                        _tile_stored(6, product, 64);
+                        add_abs_rows(product, sums[tt]);
+                    }
+                }
+                for (int tt = 0; tt < count; tt++) {
+                    _mm512_store_ps(norms, _mm512_add_ps(sums[tt][0], sums[tt][1]));
+                    for (int n = 0; n < rows[tt]; n++) out[(i * t + first + tt * TOKENS + n) * groups + g] = norms[n];
+                }
             }
         }
         _tile_release();
