@@ -7,8 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_norm_screen import _bf16_view
+from transformers import AutoModelForCausalLM
 
 from criticalkv.core.paths import CACHE_ENV_VAR
+from criticalkv.eval.needle import needle_prompt_ids
+from criticalkv.runtime.session import ContextSession
 from criticalkv.selectors import norm_screen, value_norm_amx
 from criticalkv.selectors.critical import CriticalSelector
 from criticalkv.selectors.value_norm import projected_value_norm
@@ -130,3 +133,23 @@ def test_a_compiler_that_fails_leaves_the_kernel_out_and_says_so(monkeypatch, tm
             assert value_norm_amx.amx_kernel() is None
     finally:
         value_norm_amx.amx_kernel.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.model
+def test_smollm2_keeps_what_torchs_float32_norms_keep(smollm2_folder, smollm2_tokenizer):
+    """SmolLM2 in bfloat16 on a 1k needle prompt: critical-snapkv and critical-adakv at 0.1 and 0.4 keep the same
+    entries in every layer with the kernel's norms as with torch's float32 products."""
+    model = AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.bfloat16, attn_implementation="sdpa")
+    ids = torch.tensor([needle_prompt_ids(smollm2_tokenizer, 1024)])
+    for spec in ("critical-snapkv", "critical-adakv"):
+        for budget in ("0.1", "0.4"):
+            with_kernel = ContextSession(model.eval(), spec, budget)
+            with_kernel.prefill(ids)
+            with pytest.MonkeyPatch.context() as patched:
+                patched.setattr(value_norm_amx, "handles", lambda values, weight: False)
+                reference = ContextSession(model, f"{spec}:screen=false", budget)
+                reference.prefill(ids)
+            for a, b in zip(with_kernel.cache.layers, reference.cache.layers, strict=True):
+                assert torch.equal(a.offsets(), b.offsets()), (spec, budget)
+                assert torch.equal(a.context_keys, b.context_keys), (spec, budget)
