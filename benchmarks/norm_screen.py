@@ -4,7 +4,8 @@ For each method, one prefill of the needle prompt with the screen (the default) 
 every float32 norm): the entries per layer whose float32 norm the screen computed (counted by wrapping
 ``norm_screen._rank_exactly``; with the bfloat16 bracket the entries its bound could not settle, with the l2 one
 also its first round), each prefill's compression CPU time, and whether the two caches are identical. Which
-bracket runs depends on the values' dtype (``--dtype``) and the CPU (``norm_screen.screen_kind``).
+bracket runs depends on the values' dtype (``--dtype``) and the CPU (``norm_screen.screen_kind``); on a CPU with AMX,
+bfloat16 values take the fused kernel and no bracket unless ``CRITICALKV_AMX=0``.
 
     OMP_NUM_THREADS=1 python benchmarks/norm_screen.py --model qwen2.5-0.5b --tokens 4096 --threads 1 \
         --out results/norm_screen_qwen.json
@@ -87,7 +88,10 @@ def main() -> None:
             times["screened"].append(screened.compressor.compress_cpu_seconds)
             times["unscreened"].append(reference.compressor.compress_cpu_seconds)
         if not counts:
-            raise SystemExit(f"{spec}: the screen did not run (brackets {kinds}: see norm_screen.screen_kind)")
+            raise SystemExit(
+                f"{spec}: the screen did not run (brackets {kinds}: see norm_screen.screen_kind; bfloat16 values on a "
+                "CPU with AMX take the fused kernel instead, which CRITICALKV_AMX=0 turns off)"
+            )
         identical = all(
             torch.equal(a.context_keys, b.context_keys)
             and torch.equal(a.context_values, b.context_values)
