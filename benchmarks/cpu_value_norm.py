@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from kept_agreement import fused_kernels_off
 
 from criticalkv.selectors import value_norm_amx
 from criticalkv.selectors.value_norm import projected_value_norm
@@ -98,12 +99,8 @@ def main() -> None:
 
 def _torch_float32(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """torch's chunked float32 products, the kernel switched off."""
-    handles = value_norm_amx.handles
-    value_norm_amx.handles = lambda *_: False
-    try:
+    with fused_kernels_off():
         return projected_value_norm(values, weight)
-    finally:
-        value_norm_amx.handles = handles
 
 
 if __name__ == "__main__":

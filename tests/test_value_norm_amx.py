@@ -56,6 +56,7 @@ def test_kernel_norms_are_float32_norms(b, h_kv, groups, t, d, blocks, seed):
     got = value_norm_amx.amx_kernel()(values, weight)
     exact, bound = _reference(values, weight)
     assert got.shape == (b, h_kv, t, groups) and got.dtype == torch.float32
+    assert value_norm_amx.describe().startswith("the AMX kernel")
     assert ((got.double() - exact).abs() <= bound).all()
 
 
@@ -103,36 +104,37 @@ def test_no_bracket_runs_where_the_kernel_does_and_stage_two_chooses_as_torch_fl
 
 def test_switched_off_kernel_says_why_and_torch_computes_the_norms(monkeypatch):
     """``$CRITICALKV_AMX=0``: no kernel, the reason, and torch's products give the same float32 norms."""
-    value_norm_amx.amx_kernel.cache_clear()
+    value_norm_amx.availability.cache_clear()
     try:
         monkeypatch.setenv(value_norm_amx.SWITCH_ENV_VAR, "0")
         assert value_norm_amx.amx_kernel() is None
         assert "CRITICALKV_AMX=0" in value_norm_amx.why_no_amx_kernel()
+        assert value_norm_amx.describe().startswith("torch's products, no AMX kernel: $CRITICALKV_AMX=0")
         values, weight = _random(1, 1, 1, 20, 64, 32, seed=2)
         assert not value_norm_amx.handles(values, weight)
         exact, bound = _reference(values, weight)
         assert ((projected_value_norm(values, weight).double() - exact[..., 0]).abs() <= bound[..., 0]).all()
     finally:
-        value_norm_amx.amx_kernel.cache_clear()
+        value_norm_amx.availability.cache_clear()
 
 
 @needs_kernel
 def test_a_compiler_that_fails_leaves_the_kernel_out_and_says_so(monkeypatch, tmp_path):
     """A compiler that cannot build the kernel (here one that always fails), or none, is reported with a warning on
     a CPU with AMX, not raised."""
-    value_norm_amx.amx_kernel.cache_clear()
+    value_norm_amx.availability.cache_clear()
     try:
         monkeypatch.setenv("CC", "false")
         monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
         with pytest.warns(UserWarning, match="did not build.*torch's products"):
             assert value_norm_amx.amx_kernel() is None
         assert "did not build" in value_norm_amx.why_no_amx_kernel()
-        value_norm_amx.amx_kernel.cache_clear()
+        value_norm_amx.availability.cache_clear()
         monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
         with pytest.warns(UserWarning, match="no C compiler"):
             assert value_norm_amx.amx_kernel() is None
     finally:
-        value_norm_amx.amx_kernel.cache_clear()
+        value_norm_amx.availability.cache_clear()
 
 
 @needs_kernel

@@ -112,9 +112,7 @@ class DefensiveScorer(Scorer):
         valid = view.valid[:, :n]  # (b, n)
         if n > 0:
             mass = context.sum(-1, keepdim=True)  # (b, h_kv, G, w, 1): each query row's mass on the context
-            context = pool_along_keys(context, self.kernel)  # a new tensor: scaled in place below
-            if not bool(valid.all()):
-                context.masked_fill_(~valid[:, None, None, None, :], 0.0)
+            context = pool_along_keys(context, self.kernel).masked_fill_(~valid[:, None, None, None, :], 0.0)
             pooled_mass = context.sum(-1, keepdim=True)
             context.mul_(torch.where(pooled_mass > 0, mass / pooled_mass, torch.zeros_like(mass)))
         peak = context.amax(dim=(2, 3))  # (b, h_kv, n): worst case over the group's heads and the window

@@ -79,7 +79,7 @@ static inline void product_tile(const uint32_t *tokens, int64_t halves) {
 }
 
 // values (heads, t, d) bfloat16, contiguous, heads = b * h_kv; weight (hidden, h_q * d) bfloat16, contiguous (o_proj's);
-// scratch: room for as many bfloat16 values as the weight; out (heads, t, groups) float32:
+// scratch: room for as many bfloat16 values as the weight (its tiles, copied out contiguously); out (heads, t, groups) float32:
 // out[i, token, g] = ||V[i, token] W^q||_1 with q = (i % h_kv) * groups + g and W^q[k][j] = weight[j][q * d + k].
 // d is 64 or 128, hidden a multiple of 16. Returns 0, or -1 for a d it does not handle.
 int ckv_value_norms(const uint16_t *values, const uint16_t *weight, uint16_t *scratch, float *out, int64_t heads,
@@ -88,7 +88,6 @@ int ckv_value_norms(const uint16_t *values, const uint16_t *weight, uint16_t *sc
     const int64_t blocks = hidden / FEATURES, in = h_kv * groups * d;
     const int64_t groups_of_tiles = (t + SHARING * TOKENS - 1) / (SHARING * TOKENS);
     const int64_t halves = d / (2 * PAIRS);
-    const uint16_t *tiles_of_weight = scratch;
 #pragma omp parallel num_threads(threads)
     {
         // the weight's tiles, contiguous in the order the loop below reads them: (q, jb, h), each 16 rows x 32 inputs
@@ -119,7 +118,7 @@ int ckv_value_norms(const uint16_t *values, const uint16_t *weight, uint16_t *sc
                 const int64_t q = kv * groups + g;
                 __m512 sums[SHARING][2];
                 for (int tt = 0; tt < SHARING; tt++) sums[tt][0] = sums[tt][1] = _mm512_setzero_ps();
-                const uint16_t *w = tiles_of_weight + q * blocks * halves * TILE;
+                const uint16_t *w = scratch + q * blocks * halves * TILE;
                 for (int64_t jb = 0; jb < blocks; jb++, w += halves * TILE) {
                     _tile_loadd(0, w, 64);  // the weight's tiles stay for every token tile of the group
                     _tile_loadd(1, w + TILE, 64);

@@ -8,9 +8,10 @@ still in L1, so only the (t,) norms reach memory. bfloat16 times bfloat16 is exa
 float32 reference's up to the order of the sums, as on a GPU (``value_norm_triton``).
 
 It is compiled on first use with the system's C compiler (``$CC``, else ``cc``) into criticalkv's cache folder, once
-per source and compiler. ``amx_kernel()`` is None, and ``why_no_amx_kernel()`` says why, where the CPU has no AMX,
-the platform is not Linux (the kernel asks Linux for the tile state), no compiler builds it (a warning then), or
-``$CRITICALKV_AMX=0``: the norms then come from torch's products (the same norms, more slowly).
+per source and compiler, and loaded once per process (``availability``). ``amx_kernel()`` is None, and
+``why_no_amx_kernel()`` says why, where the CPU has no AMX, the platform is not Linux (the kernel asks Linux for the
+tile state), no compiler builds it (a warning then), or ``$CRITICALKV_AMX=0``: the norms then come from torch's
+products (the same norms, more slowly).
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from filelock import FileLock
 
+from criticalkv.core.device import cpu_has_amx, cpu_has_avx512_bf16
 from criticalkv.core.paths import cache_root
 
 SOURCE = Path(__file__).with_suffix(".c")
@@ -39,34 +42,42 @@ SWITCH_ENV_VAR = "CRITICALKV_AMX"
 HEAD_DIMS = (64, 128)
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw"]
 
-_reason: list[str] = []  # why amx_kernel() is None, once it was asked
+
+class Availability(NamedTuple):
+    """The kernel (``amx_value_norms`` bound to its library), or None and why."""
+
+    kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+    reason: str | None
 
 
 def describe() -> str:
     """Where this CPU's float32 value norms of bfloat16 values come from, in words (for benchmark records)."""
-    probe = {name: getattr(torch.cpu, f"_is_{name}_supported", lambda: False)() for name in ("amx_tile", "avx512_bf16")}
-    features = f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, " + ", ".join(
-        f"{name} {'yes' if present else 'no'}" for name, present in probe.items()
+    features = (
+        f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"amx_tile {'yes' if cpu_has_amx() else 'no'}, avx512_bf16 {'yes' if cpu_has_avx512_bf16() else 'no'}"
     )
     if amx_kernel() is not None:
         return f"the AMX kernel (value_norm_amx.c); {features}"
     return f"torch's products, no AMX kernel: {why_no_amx_kernel()}; {features}"
 
 
+def amx_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """``amx_value_norms`` where this CPU and a C compiler can run the kernel, else None (``why_no_amx_kernel``)."""
+    return availability().kernel
+
+
 def why_no_amx_kernel() -> str | None:
     """Why ``amx_kernel()`` is None (None when the kernel is there)."""
-    return _reason[0] if amx_kernel() is None else None
+    return availability().reason
 
 
 @functools.cache
-def amx_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    """``amx_value_norms`` where this CPU and a C compiler can run the kernel, else None (``why_no_amx_kernel``).
-    A CPU with AMX that cannot have the kernel (no compiler, a failed build) gets a warning once: its value norms
-    then take about ten times as long."""
+def availability() -> Availability:
+    """Builds and loads the kernel once per process. A CPU with AMX that cannot have it (no compiler, a failed
+    build) gets a warning: its value norms then take about ten times as long."""
     reason = _not_applicable()
     if reason is not None:
-        _reason[:] = [reason]
-        return None
+        return Availability(None, reason)
     reason = _unbuildable()
     if reason is None:
         try:
@@ -79,14 +90,13 @@ def amx_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
             if library.ckv_amx_init() != 0:
                 reason = "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
             else:
-                return functools.partial(amx_value_norms, library)
+                return Availability(functools.partial(amx_value_norms, library), None)
     warnings.warn(
         f"{reason}. CriticalKV's value norms come from torch's products on this AMX CPU instead (the same norms, "
         f"about ten times slower; ${SWITCH_ENV_VAR}=0 says so without this warning)",
-        stacklevel=2,
+        stacklevel=3,
     )
-    _reason[:] = [reason]
-    return None
+    return Availability(None, reason)
 
 
 def handles(values: torch.Tensor, o_proj_weight: torch.Tensor) -> bool:
@@ -137,7 +147,7 @@ def _not_applicable() -> str | None:
         return f"${SWITCH_ENV_VAR}=0"
     if not sys.platform.startswith("linux"):
         return "the AMX kernel asks Linux for the tile state; this is " + sys.platform
-    if not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+    if not cpu_has_amx():
         return "this CPU has no AMX tiles (or torch cannot tell)"
     return None
 
