@@ -154,9 +154,11 @@ def _captured_scores(monkeypatch, model, method, ids, mask) -> list[torch.Tensor
     return captured[0]
 
 
-def _reference_scores(model, row: list[int], prompt: RepeatPrompt, chunk_size: int, stride: int, sinks: int):
+def _reference_scores(
+    model, row: list[int], prompt: RepeatPrompt, chunk_size: int, stride: int, sinks: int, group: str = "mean"
+):
     """Dense eager attention of prefill + each reconstruction chunk, no cache: max over the scored reconstruction
-    rows, max over chunks, mean over the GQA group; protected positions at the head's top. (L, h_kv, t)."""
+    rows, max over chunks, mean (or max) over the GQA group; protected positions at the head's top. (L, h_kv, t)."""
     ids, mask = _batch([row])
     t = len(row)
     inputs = reconstruction_inputs(ids, mask, prompt, chunk_size, sinks)
@@ -174,23 +176,26 @@ def _reference_scores(model, row: list[int], prompt: RepeatPrompt, chunk_size: i
         model.set_attn_implementation(base)
     layers, h_q, _ = best.shape
     h_kv = model.config.num_key_value_heads
-    scores = best.view(layers, h_kv, h_q // h_kv, t).mean(dim=2)
+    grouped = best.view(layers, h_kv, h_q // h_kv, t)
+    scores = grouped.mean(dim=2) if group == "mean" else grouped.amax(dim=2)
     protected = inputs.protected[0]
     top = scores[:, :, ~protected].amax(dim=-1, keepdim=True)
     return torch.where(protected, top, scores)
 
 
-@pytest.mark.parametrize(("attn", "stride"), [("sdpa", 1), ("sdpa", 3), ("eager", 1)])
-def test_scores_equal_dense_reference_per_row_of_a_padded_batch(monkeypatch, templated_tokenizer, attn, stride):
+@pytest.mark.parametrize(
+    ("attn", "stride", "group"), [("sdpa", 1, "mean"), ("sdpa", 3, "mean"), ("eager", 1, "mean"), ("sdpa", 1, "max")]
+)
+def test_scores_equal_dense_reference_per_row_of_a_padded_batch(monkeypatch, templated_tokenizer, attn, stride, group):
     model = _model(attn=attn)
     prompt = RepeatPrompt.from_tokenizer(templated_tokenizer)
     rows = [list(prompt.template_start) + c for c in _random_rows([70, 41], seed=3)]
     ids, mask = _batch(rows)
-    method = build_method("reconstruct", tokenizer=templated_tokenizer, chunk_size=32, query_stride=stride)
+    method = build_method("reconstruct", tokenizer=templated_tokenizer, chunk_size=32, query_stride=stride, group=group)
     scores = torch.stack(_captured_scores(monkeypatch, model, method, ids, mask))  # (L, b, h_kv, t)
     t = ids.shape[1]
     for r, row in enumerate(rows):
-        expected = _reference_scores(model, row, prompt, 32, stride, sinks=4)
+        expected = _reference_scores(model, row, prompt, 32, stride, sinks=4, group=group)
         got = scores[:, r, :, t - len(row) :]
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
@@ -319,6 +324,7 @@ def test_shared_prefill_shares_one_reconstruction_and_equals_separate_runs(monke
         ("ada-0.5", build_method("ada-reconstruct", tokenizer=tiny_tokenizer, chunk_size=32), 0.5),
         ("critical-ada-0.2", build_method("critical-ada-reconstruct", tokenizer=tiny_tokenizer, chunk_size=32), 0.2),
         ("stride-0.3", build_method("reconstruct", tokenizer=tiny_tokenizer, chunk_size=32, query_stride=2), 0.3),
+        ("max-0.3", build_method("reconstruct", tokenizer=tiny_tokenizer, chunk_size=32, group="max"), 0.3),
         ("snapkv-0.3", "snapkv", 0.3),
     ]
     runs = []
@@ -330,7 +336,7 @@ def test_shared_prefill_shares_one_reconstruction_and_equals_separate_runs(monke
 
     monkeypatch.setattr(ReconstructionScorer, "_reconstruct", counting)
     sessions = SharedPrefill(model, pairs).prefill(ids, mask)
-    assert len(runs) == 2  # one set of passes per distinct scorer (stride 1 and stride 2)
+    assert len(runs) == 2  # one set of passes per stride (1 and 2); the group's reduction comes after them
     for label, method, budget in pairs:
         alone = ContextSession(model, method, budget)
         alone.prefill(ids, mask)
@@ -377,7 +383,7 @@ def test_soft_capped_logits_are_refused_before_any_forward(tiny_tokenizer):
 def test_scorer_refuses_per_layer_use_and_bad_options():
     with pytest.raises(CriticalKVError, match="after"):
         ReconstructionScorer().score(None)
-    for option in ({"chunk_size": 0}, {"query_stride": 0}, {"sinks": -1}):
+    for option in ({"chunk_size": 0}, {"query_stride": 0}, {"sinks": -1}, {"group": "sum"}):
         with pytest.raises(ValueError):
             ReconstructionScorer(**option)
 

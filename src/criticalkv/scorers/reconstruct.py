@@ -234,6 +234,12 @@ class MaxAttentionProbe:
         self.maxima[module.layer_idx] = best
 
 
+# a KV head's score from its query heads' maxima, (b, h_kv, G, t) -> (b, h_kv, t): by ReconstructionScorer.group
+GROUP_REDUCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "mean": lambda best: best.mean(dim=2),
+    "max": lambda best: best.amax(dim=2),
+}
+
 _FUSED_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # torch's CPU kernel behind scaled_dot_product_attention, which also returns the log-sum-exp (a private operator:
 # where a torch lacks it, the probe computes the softmax itself, with the same result)
@@ -269,8 +275,9 @@ class ReconstructionScorer(Scorer):
     previous context exactly." (later chunks: "Repeat the part of the previous context exactly, starting with"
     and the last 8 tokens of the previous chunk), framed by the model's chat template. An entry's score is the
     largest attention it receives from any reconstruction query of a query head (softmax over the whole cache,
-    float32), averaged over the GQA group as the other scorers do. The template's start (system prompt, user
-    header) and at least the first ``sinks`` tokens are protected (kept, counted in the budget).
+    float32), averaged over the GQA group as the other scorers do (``group="max"``: KVzip's maximum). The
+    template's start (system prompt, user header) and at least the first ``sinks`` tokens are protected (kept,
+    counted in the budget).
 
     Parameters
     ----------
@@ -287,6 +294,9 @@ class ReconstructionScorer(Scorer):
     tokenizer
         The model's tokenizer, or a folder or hub id to load it from; None loads it from the model's
         ``name_or_path`` (what ``criticalkv.models.load_model`` gives). Needed to write the repeat prompt.
+    group
+        How a KV head's score gathers its G query heads' maxima: ``"mean"`` (the other scorers' GQA aggregation)
+        or ``"max"`` (KVzip's and kvpress's: an entry one query head of the group reads is kept for the group).
     """
 
     non_negative: ClassVar[bool] = True  # maxima of attention probabilities (Scorer)
@@ -296,6 +306,7 @@ class ReconstructionScorer(Scorer):
     query_stride: int = 1
     sinks: int = 4
     tokenizer: str | PreTrainedTokenizerBase | None = None
+    group: str = "mean"
     after_prefill: ClassVar[bool] = True  # scores come from forward passes over the finished prefill
 
     def __post_init__(self) -> None:
@@ -305,8 +316,14 @@ class ReconstructionScorer(Scorer):
             raise ValueError(f"query_stride must be >= 1, got {self.query_stride}")
         if self.sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+        if self.group not in GROUP_REDUCTIONS:
+            raise ValueError(f"group must be one of {', '.join(GROUP_REDUCTIONS)}, got {self.group!r}")
 
-    def __repr__(self) -> str:  # the memo key of shared reconstruction passes: every option that changes scores
+    def __repr__(self) -> str:  # every option that changes scores (a sweep's record of its methods)
+        return f"{self._passes_key()[:-1]}, group={self.group!r})"
+
+    def _passes_key(self) -> str:
+        """The memo key of the reconstruction passes: every option but ``group``, which reduces their maxima after."""
         tokenizer = self.tokenizer
         if tokenizer is not None and not isinstance(tokenizer, str):
             tokenizer = f"<{type(tokenizer).__name__} at {id(tokenizer):#x}>"
@@ -329,14 +346,18 @@ class ReconstructionScorer(Scorer):
         return protected
 
     def score_after_prefill(self, context: PrefillContext) -> list[torch.Tensor]:
-        """(b, h_kv, t) float32 scores per pending layer, in layer order. Several methods with an equal scorer
-        on one prefill (a ``SharedPrefill`` sweep) share one set of passes through the layers' memo."""
+        """(b, h_kv, t) float32 scores per pending layer, in layer order. Several methods whose scorers differ in
+        ``group`` at most, on one prefill (a ``SharedPrefill`` sweep), share one set of passes through the layers'
+        memo."""
         if not context.pending:
             return []
         first = context.pending[0].view
-        scores, protected = first.remember(("reconstruction", repr(self)), lambda: self._reconstruct(context))
-        for item in context.pending:
+        maxima, protected = first.remember(("reconstruction", self._passes_key()), lambda: self._reconstruct(context))
+        reduce = GROUP_REDUCTIONS[self.group]
+        scores = []
+        for item, best in zip(context.pending, maxima, strict=True):
             item.view.memo[("protected", repr(self))] = protected
+            scores.append(_with_protected_at_top(reduce(best), protected, item.view.valid))
         return scores
 
     def check_config(self, config: PretrainedConfig) -> None:
@@ -393,16 +414,12 @@ class ReconstructionScorer(Scorer):
                             layer.crop(t - layer.seen)
         finally:
             context.compressor.attention_probe = None
-        scores = []
+        maxima = []  # (b, h_kv, G, t) per pending layer: each query head's maxima (zeros where none were taken)
         for item in context.pending:
-            view = item.view
-            b, h_kv = view.keys.shape[:2]
-            best = probe.maxima.get(view.module.layer_idx)
-            layer_scores = (
-                best.mean(dim=2) if best is not None else view.keys.new_zeros((b, h_kv, t), dtype=torch.float32)
-            )
-            scores.append(_with_protected_at_top(layer_scores, inputs.protected, view.valid))
-        return scores, inputs.protected
+            best = probe.maxima.get(item.view.module.layer_idx)
+            b, h_kv = item.view.keys.shape[:2]
+            maxima.append(best if best is not None else item.view.keys.new_zeros((b, h_kv, 1, t), dtype=torch.float32))
+        return maxima, inputs.protected
 
 
 def _check_vocabulary(prompt: RepeatPrompt, model: nn.Module) -> None:
