@@ -17,6 +17,7 @@ from criticalkv.distributed import launch
 from criticalkv.errors import CriticalKVError, did_you_mean
 from criticalkv.eval.bounded import Bounded, CapOption, ChunkSizeOption, CompressEveryOption, GuideChunksOption
 from criticalkv.eval.report import HEATMAP_PREFIX, file_stem, write_report
+from criticalkv.eval.shard import SHARD_HELP, Shard
 from criticalkv.eval.sweep import REGIMES, check_out_folder, load_rows, pair_label, run_sweep, stored_settings
 from criticalkv.files import write_json
 from criticalkv.methods import build_method
@@ -53,6 +54,7 @@ ModeOption = Annotated[
     ),
 ]
 QuestionAwareOption = Annotated[bool, typer.Option(help="The same as --mode aware.")]
+ShardOption = Annotated[str | None, typer.Option(help=SHARD_HELP)]
 
 
 def regime_of(mode: str | None, question_aware: bool) -> str:
@@ -96,6 +98,11 @@ def at_least(value: int, minimum: int, option: str) -> None:
     """Refuse a count below ``minimum`` as every other bad input is refused (typer's ``min=`` prints a usage box)."""
     if value < minimum:
         raise CriticalKVError(f"{option} must be >= {minimum}, got {value}")
+
+
+def _suffix(part: Shard | None) -> str:
+    """The default folder's ending for a shard (its own folder: two shards never share one)."""
+    return "" if part is None else part.folder_suffix
 
 
 def _capped(default: Callable[[Any], int], cap: int) -> Callable[[Any], int]:
@@ -210,6 +217,7 @@ def ruler(
     cap: CapOption = None,
     compress_every: CompressEveryOption = None,
     guide_chunks: GuideChunksOption = False,
+    shard: ShardOption = None,
 ) -> None:
     """RULER's 13 tasks: every method and budget against the full cache, with compression loss."""
     from criticalkv.eval import ruler as ruler_data
@@ -245,6 +253,7 @@ def ruler(
         dtype,
         device,
         Bounded(chunk_size, cap, compress_every, guide_chunks),
+        shard,
     )
 
 
@@ -268,6 +277,7 @@ def facts(
     cap: CapOption = None,
     compress_every: CompressEveryOption = None,
     guide_chunks: GuideChunksOption = False,
+    shard: ShardOption = None,
 ) -> None:
     """The facts benchmark (RULER's check on other text and phrasing): every method and budget against the full
     cache, with compression loss."""
@@ -302,6 +312,7 @@ def facts(
         dtype,
         device,
         Bounded(chunk_size, cap, compress_every, guide_chunks),
+        shard,
     )
 
 
@@ -335,10 +346,13 @@ def _sweep_generated(
     dtype: str,
     device: str,
     bounded: Bounded,
+    shard: str | None,
 ) -> None:
     """Generate ``benchmark``'s samples once the tokenizer is known (index-major: sample 0 of every task, then sample
-    1, ...: a sweep stopped early has every task evenly), then sweep them into a resumable folder and report."""
+    1, ...: a sweep stopped early has every task evenly), then sweep them (``shard``'s share of them) into a
+    resumable folder and report."""
     try:
+        part = Shard.parse(shard)
         at_least(samples, 1, "--samples")
         at_least(length, 1, "--length")
         at_least(max_new_tokens, 0, "--max-new-tokens")
@@ -355,7 +369,7 @@ def _sweep_generated(
         bounded.check_guide(regime)
         if launch.is_main_process():
             console.print(regime_line(regime))
-        folder = out or Path("results") / f"{benchmark.name}-{Path(model).name}-{length}-{regime}"
+        folder = out or Path("results") / f"{benchmark.name}-{Path(model).name}-{length}-{regime}{_suffix(part)}"
         check_out_folder(folder)
         every: list = []
 
@@ -365,6 +379,8 @@ def _sweep_generated(
                 for task in chosen:
                     every.extend(benchmark.generate(task, tokenizer, max_length))
             every.sort(key=lambda sample: sample.index)  # stable: the tasks keep their order within an index
+            if part is not None:
+                every[:] = part.take(every)
 
         loaded, tokenizer = _load(model, dtype, device, built, prepare)
         budget_of = _capped(lambda sample: benchmark.tokens_to_generate[sample.task], max_new_tokens)
@@ -379,7 +395,7 @@ def _sweep_generated(
                 regime,
                 folder,
                 budget_of,
-                total=len(chosen) * samples,
+                total=len(every),
                 batch_answers=batch_answers,
                 bounded=bounded.options,
                 guide_chunks=bounded.guide_chunks,
@@ -538,6 +554,7 @@ def longbench(
     cap: CapOption = None,
     compress_every: CompressEveryOption = None,
     guide_chunks: GuideChunksOption = False,
+    shard: ShardOption = None,
 ) -> None:
     """LongBench v1 (English and code) from local files: THUDM's prompts, truncation and metrics, every method and
     budget against the full cache."""
@@ -546,6 +563,7 @@ def longbench(
 
     try:
         at_least(samples, 0, "--samples")
+        part = Shard.parse(shard)
         at_least(max_length, 1, "--max-length")
         at_least(max_new_tokens, 0, "--max-new-tokens")
         groups = longbench_run.read_datasets(data, split_items(datasets, "--datasets"))
@@ -556,13 +574,15 @@ def longbench(
         bounded.check_guide(regime)
         if launch.is_main_process():
             console.print(regime_line(regime))
-        folder = out or Path("results") / f"longbench-{Path(model).name}-{max_length}-{regime}"
+        folder = out or Path("results") / f"longbench-{Path(model).name}-{max_length}-{regime}{_suffix(part)}"
         check_out_folder(folder)
         items: list = []
 
         def prepare(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
             with console.status(f"truncating and encoding the prompts of {len(groups)} dataset(s)"):
                 items.extend(longbench_run.longbench_items(tokenizer, groups, samples, max_length))
+            if part is not None:
+                items[:] = part.take(items)
             for item in items:  # every prompt fits the model
                 check_length(config, len(item.prefix_ids) + len(item.suffix_ids), f"{item.task} prompt length")
 
