@@ -115,6 +115,11 @@ def test_inputs_chunk_each_row_after_its_template_start(templated_tokenizer):
     protected[0, : len(start)] = True
     protected[1, t - 9 - len(start) : t - 9] = True  # after the row's left padding
     assert torch.equal(inputs.protected, protected)
+    for i, repeated in enumerate(inputs.slices):  # the prefill positions each chunk repeats
+        expected = torch.zeros(2, t, dtype=torch.bool)
+        expected[0, len(start) + 10 * i : len(start) + min(10 * i + 10, 23)] = True
+        expected[1, t - 9 : t] = i == 0  # row 1's context fits its first chunk
+        assert torch.equal(repeated, expected), i
 
 
 def test_inputs_without_template_reconstruct_everything_and_keep_the_sinks(tiny_tokenizer):
@@ -155,10 +160,19 @@ def _captured_scores(monkeypatch, model, method, ids, mask) -> list[torch.Tensor
 
 
 def _reference_scores(
-    model, row: list[int], prompt: RepeatPrompt, chunk_size: int, stride: int, sinks: int, group: str = "mean"
+    model,
+    row: list[int],
+    prompt: RepeatPrompt,
+    chunk_size: int,
+    stride: int,
+    sinks: int,
+    group: str = "mean",
+    softmax: str = "cache",
 ):
     """Dense eager attention of prefill + each reconstruction chunk, no cache: max over the scored reconstruction
-    rows, max over chunks, mean (or max) over the GQA group; protected positions at the head's top. (L, h_kv, t)."""
+    rows, max over chunks, mean (or max) over the GQA group; protected positions at the head's top. (L, h_kv, t).
+    softmax="chunk": each row's weights renormalised over the protected entries, the chunk's slice and its own
+    tokens (a softmax over a subset is the whole softmax renormalised on it)."""
     ids, mask = _batch([row])
     t = len(row)
     inputs = reconstruction_inputs(ids, mask, prompt, chunk_size, sinks)
@@ -166,11 +180,16 @@ def _reference_scores(
     base = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
-        for chunk_ids, _ in inputs.chunks:
+        for (chunk_ids, _), repeated in zip(inputs.chunks, inputs.slices, strict=True):
             full = torch.cat([ids, chunk_ids], dim=1)
             out = model(input_ids=full, output_attentions=True, use_cache=False)
             rows = torch.arange(t, full.shape[1])[::stride]
-            attn = torch.stack([a[0][:, rows, :t].amax(dim=1) for a in out.attentions])  # (L, h_q, t)
+            weights = torch.stack([a[0][:, rows] for a in out.attentions])  # (L, h_q, r, n)
+            if softmax == "chunk":
+                spanned = torch.cat([inputs.protected[0] | repeated[0], torch.ones(full.shape[1] - t, dtype=bool)])
+                weights = weights * spanned
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            attn = weights[..., :t].amax(dim=2)  # (L, h_q, t)
             best = attn if best is None else torch.maximum(best, attn)
     finally:
         model.set_attn_implementation(base)
@@ -184,18 +203,29 @@ def _reference_scores(
 
 
 @pytest.mark.parametrize(
-    ("attn", "stride", "group"), [("sdpa", 1, "mean"), ("sdpa", 3, "mean"), ("eager", 1, "mean"), ("sdpa", 1, "max")]
+    ("attn", "stride", "group", "softmax"),
+    [
+        ("sdpa", 1, "mean", "cache"),
+        ("sdpa", 3, "mean", "cache"),
+        ("eager", 1, "mean", "cache"),
+        ("sdpa", 1, "max", "cache"),
+        ("sdpa", 1, "max", "chunk"),
+        ("eager", 3, "mean", "chunk"),
+    ],
 )
-def test_scores_equal_dense_reference_per_row_of_a_padded_batch(monkeypatch, templated_tokenizer, attn, stride, group):
+def test_scores_equal_dense_reference_per_row_of_a_padded_batch(
+    monkeypatch, templated_tokenizer, attn, stride, group, softmax
+):
     model = _model(attn=attn)
     prompt = RepeatPrompt.from_tokenizer(templated_tokenizer)
     rows = [list(prompt.template_start) + c for c in _random_rows([70, 41], seed=3)]
     ids, mask = _batch(rows)
-    method = build_method("reconstruct", tokenizer=templated_tokenizer, chunk_size=32, query_stride=stride, group=group)
+    options = dict(chunk_size=32, query_stride=stride, group=group, softmax=softmax)
+    method = build_method("reconstruct", tokenizer=templated_tokenizer, **options)
     scores = torch.stack(_captured_scores(monkeypatch, model, method, ids, mask))  # (L, b, h_kv, t)
     t = ids.shape[1]
     for r, row in enumerate(rows):
-        expected = _reference_scores(model, row, prompt, 32, stride, sinks=4, group=group)
+        expected = _reference_scores(model, row, prompt, 32, stride, sinks=4, group=group, softmax=softmax)
         got = scores[:, r, :, t - len(row) :]
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
@@ -325,6 +355,7 @@ def test_shared_prefill_shares_one_reconstruction_and_equals_separate_runs(monke
         ("critical-ada-0.2", build_method("critical-ada-reconstruct", tokenizer=tiny_tokenizer, chunk_size=32), 0.2),
         ("stride-0.3", build_method("reconstruct", tokenizer=tiny_tokenizer, chunk_size=32, query_stride=2), 0.3),
         ("max-0.3", build_method("reconstruct", tokenizer=tiny_tokenizer, chunk_size=32, group="max"), 0.3),
+        ("chunk-0.3", build_method("reconstruct", tokenizer=tiny_tokenizer, chunk_size=32, softmax="chunk"), 0.3),
         ("snapkv-0.3", "snapkv", 0.3),
     ]
     runs = []
@@ -336,7 +367,7 @@ def test_shared_prefill_shares_one_reconstruction_and_equals_separate_runs(monke
 
     monkeypatch.setattr(ReconstructionScorer, "_reconstruct", counting)
     sessions = SharedPrefill(model, pairs).prefill(ids, mask)
-    assert len(runs) == 2  # one set of passes per stride (1 and 2); the group's reduction comes after them
+    assert len(runs) == 3  # one set of passes per stride and softmax span; the group's reduction comes after them
     for label, method, budget in pairs:
         alone = ContextSession(model, method, budget)
         alone.prefill(ids, mask)
@@ -383,7 +414,7 @@ def test_soft_capped_logits_are_refused_before_any_forward(tiny_tokenizer):
 def test_scorer_refuses_per_layer_use_and_bad_options():
     with pytest.raises(CriticalKVError, match="after"):
         ReconstructionScorer().score(None)
-    for option in ({"chunk_size": 0}, {"query_stride": 0}, {"sinks": -1}, {"group": "sum"}):
+    for option in ({"chunk_size": 0}, {"query_stride": 0}, {"sinks": -1}, {"group": "sum"}, {"softmax": "all"}):
         with pytest.raises(ValueError):
             ReconstructionScorer(**option)
 

@@ -79,6 +79,7 @@ class ReconstructionInputs:
 
     chunks: list[tuple[torch.Tensor, torch.Tensor]]  # per chunk: ids (b, q), mask (b, q); right padding
     protected: torch.Tensor  # (b, t) bool: the template start (at least the first ``sinks`` tokens) of each row
+    slices: list[torch.Tensor]  # per chunk: (b, t) bool, the prefill positions of the context it repeats
 
 
 def reconstruction_inputs(
@@ -99,15 +100,17 @@ def reconstruction_inputs(
     b, t = input_ids.shape
     rows: list[list[list[int]]] = []  # rows[r][i]: the reconstruction input of chunk i of row r
     protected = torch.zeros(b, t, dtype=torch.bool, device=input_ids.device)
+    context_starts = []  # per row: the prefill position of its context's first token
     for r in range(b):
         real = input_ids[r][attention_mask[r].bool()].tolist()
         head = prompt.template_start
         start = len(head) if tuple(real[: len(head)]) == head else 0  # a partial match is no template start
         protected[r, t - len(real) : t - len(real) + max(start, min(sinks, len(real)))] = True
+        context_starts.append(t - len(real) + start)
         context = real[start:]
         pieces = [context[i : i + chunk_size] for i in range(0, len(context), chunk_size)]
         rows.append([_request(prompt, pieces, i) + list(prompt.turn_end) + piece for i, piece in enumerate(pieces)])
-    chunks = []
+    chunks, slices = [], []
     for i in range(max((len(r) for r in rows), default=0)):
         seqs = [r[i] if i < len(r) else [] for r in rows]
         q = max(len(s) for s in seqs)
@@ -117,7 +120,11 @@ def reconstruction_inputs(
             ids[r, : len(seq)] = torch.tensor(seq, dtype=input_ids.dtype)
             mask[r, : len(seq)] = 1
         chunks.append((ids, mask))
-    return ReconstructionInputs(chunks, protected)
+        repeated = torch.zeros(b, t, dtype=torch.bool, device=input_ids.device)
+        for r, first in enumerate(context_starts):
+            repeated[r, min(first + i * chunk_size, t) : min(first + (i + 1) * chunk_size, t)] = True
+        slices.append(repeated)
+    return ReconstructionInputs(chunks, protected, slices)
 
 
 def _request(prompt: RepeatPrompt, pieces: list[list[int]], i: int) -> list[int]:
@@ -134,12 +141,14 @@ class MaxAttentionProbe:
 
     ``maxima[layer_idx]`` is (b, h_kv, G, t) float32: for KV head h, query head g of its group and prefill entry
     i, the largest softmax weight any scored reconstruction query of that head gave to i, the softmax taken over
-    the whole cache (prefill and reconstruction tokens, under the layer's mask) with the layer's own scaling.
+    the whole cache (prefill and reconstruction tokens, under the layer's mask) with the layer's own scaling, or,
+    with ``readable``, over the readable prefill entries and the reconstruction tokens (KVzip's).
     """
 
     context_length: int  # t: the prefill's entries, the first t keys of every dense layer
     query_stride: int
     query_valid: torch.Tensor | None = None  # (b, q) bool: real reconstruction tokens of the current chunk
+    readable: torch.Tensor | None = None  # (b, t) bool: the prefill entries the softmax reads (None: all)
     maxima: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @torch.no_grad()
@@ -162,7 +171,8 @@ class MaxAttentionProbe:
         no softmax of its own (a weight is exp(logit - log-sum-exp), and exp is monotonic: one exp per entry).
         Elsewhere ``base`` runs and the probe recomputes the softmax over the whole cache (``__call__``).
         """
-        if not (sdpa and query.device.type == "cpu" and query.dtype in _FUSED_CPU_DTYPES and _FUSED_CPU_KERNEL):
+        fused = sdpa and query.device.type == "cpu" and query.dtype in _FUSED_CPU_DTYPES and _FUSED_CPU_KERNEL
+        if not fused or self.readable is not None:  # the kernel's log-sum-exp is over every entry
             out = base()
             self(module, query, keys, mask, scaling)
             return out
@@ -189,7 +199,11 @@ class MaxAttentionProbe:
         """query (b, h_q, q, d) post-RoPE; keys (b, h_kv, n, d), the layer's prefill then the chunk (n = t + q);
         mask (b, 1, q, n) as the model's attention receives it (bool, additive float, or None for causal)."""
         b, q = query.shape[0], query.shape[2]
-        self._collect(module, query, keys, _allowed(mask, b, q, keys.shape[2], query.device), None, scaling)
+        allowed = _allowed(mask, b, q, keys.shape[2], query.device)  # (b, q, n)
+        if self.readable is not None:  # KVzip's softmax: the prefill's readable entries and the chunk's own tokens
+            t = self.context_length
+            allowed = torch.cat([allowed[..., :t] & self.readable[:, None], allowed[..., t:]], dim=-1)
+        self._collect(module, query, keys, allowed, None, scaling)
 
     def _collect(
         self,
@@ -235,6 +249,7 @@ class MaxAttentionProbe:
 
 
 # a KV head's score from its query heads' maxima, (b, h_kv, G, t) -> (b, h_kv, t): by ReconstructionScorer.group
+SOFTMAX_SPANS = ("cache", "chunk")  # ReconstructionScorer.softmax
 GROUP_REDUCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "mean": lambda best: best.mean(dim=2),
     "max": lambda best: best.amax(dim=2),
@@ -297,6 +312,11 @@ class ReconstructionScorer(Scorer):
     group
         How a KV head's score gathers its G query heads' maxima: ``"mean"`` (the other scorers' GQA aggregation)
         or ``"max"`` (KVzip's and kvpress's: an entry one query head of the group reads is kept for the group).
+    softmax
+        Which entries a reconstruction query's softmax spans: ``"cache"``, every entry (the weights the model
+        computes), so every chunk's queries score every context entry; or ``"chunk"`` (KVzip's and kvpress's), the
+        protected entries, the context slice the chunk repeats and the chunk's own tokens, so each entry is scored
+        by the chunk that repeats it only.
     """
 
     non_negative: ClassVar[bool] = True  # maxima of attention probabilities (Scorer)
@@ -307,6 +327,7 @@ class ReconstructionScorer(Scorer):
     sinks: int = 4
     tokenizer: str | PreTrainedTokenizerBase | None = None
     group: str = "mean"
+    softmax: str = "cache"
     after_prefill: ClassVar[bool] = True  # scores come from forward passes over the finished prefill
 
     def __post_init__(self) -> None:
@@ -318,6 +339,8 @@ class ReconstructionScorer(Scorer):
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
         if self.group not in GROUP_REDUCTIONS:
             raise ValueError(f"group must be one of {', '.join(GROUP_REDUCTIONS)}, got {self.group!r}")
+        if self.softmax not in SOFTMAX_SPANS:
+            raise ValueError(f"softmax must be one of {', '.join(SOFTMAX_SPANS)}, got {self.softmax!r}")
 
     def __repr__(self) -> str:  # every option that changes scores (a sweep's record of its methods)
         return f"{self._passes_key()[:-1]}, group={self.group!r})"
@@ -329,7 +352,7 @@ class ReconstructionScorer(Scorer):
             tokenizer = f"<{type(tokenizer).__name__} at {id(tokenizer):#x}>"
         return (
             f"ReconstructionScorer(chunk_size={self.chunk_size}, query_stride={self.query_stride}, "
-            f"sinks={self.sinks}, tokenizer={tokenizer!r})"
+            f"sinks={self.sinks}, tokenizer={tokenizer!r}, softmax={self.softmax!r})"
         )
 
     # --- the scorer contract -------------------------------------------------------------------------------
@@ -403,8 +426,9 @@ class ReconstructionScorer(Scorer):
         probe = MaxAttentionProbe(t, self.query_stride)
         context.compressor.attention_probe = probe
         try:
-            for chunk_ids, chunk_mask in inputs.chunks:
+            for (chunk_ids, chunk_mask), repeated in zip(inputs.chunks, inputs.slices, strict=True):
                 probe.query_valid = chunk_mask.bool()
+                probe.readable = None if self.softmax == "cache" else inputs.protected | repeated
                 full_mask = torch.cat([mask, chunk_mask], dim=1)  # (b, t + q)
                 try:
                     forward_on_cache(context.model, chunk_ids, full_mask, cache)  # positions t.. of the mask
