@@ -169,7 +169,8 @@ class MaxAttentionProbe:
         On CPU under SDPA (``sdpa``) one call of torch's fused CPU kernel gives the output and every query's
         log-sum-exp over the whole cache, so the probe needs the logits of the prefill's t columns only and takes
         no softmax of its own (a weight is exp(logit - log-sum-exp), and exp is monotonic: one exp per entry).
-        Elsewhere ``base`` runs and the probe recomputes the softmax over the whole cache (``__call__``).
+        Elsewhere, and over ``readable`` entries only, ``base`` runs and the probe recomputes the softmax
+        (``__call__``).
         """
         fused = sdpa and query.device.type == "cpu" and query.dtype in _FUSED_CPU_DTYPES and _FUSED_CPU_KERNEL
         if not fused or self.readable is not None:  # the kernel's log-sum-exp is over every entry
@@ -248,8 +249,8 @@ class MaxAttentionProbe:
         self.maxima[module.layer_idx] = best
 
 
-# a KV head's score from its query heads' maxima, (b, h_kv, G, t) -> (b, h_kv, t): by ReconstructionScorer.group
 SOFTMAX_SPANS = ("cache", "chunk")  # ReconstructionScorer.softmax
+# a KV head's score from its query heads' maxima, (b, h_kv, G, t) -> (b, h_kv, t): by ReconstructionScorer.group
 GROUP_REDUCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "mean": lambda best: best.mean(dim=2),
     "max": lambda best: best.amax(dim=2),
@@ -290,9 +291,9 @@ class ReconstructionScorer(Scorer):
     previous context exactly." (later chunks: "Repeat the part of the previous context exactly, starting with"
     and the last 8 tokens of the previous chunk), framed by the model's chat template. An entry's score is the
     largest attention it receives from any reconstruction query of a query head (softmax over the whole cache,
-    float32), averaged over the GQA group as the other scorers do (``group="max"``: KVzip's maximum). The
-    template's start (system prompt, user header) and at least the first ``sinks`` tokens are protected (kept,
-    counted in the budget).
+    float32; ``softmax="chunk"``: KVzip's span), averaged over the GQA group as the other scorers do
+    (``group="max"``: KVzip's maximum). The template's start (system prompt, user header) and at least the first
+    ``sinks`` tokens are protected (kept, counted in the budget).
 
     Parameters
     ----------
