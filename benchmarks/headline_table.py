@@ -15,6 +15,7 @@ import argparse
 from pathlib import Path
 
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
 from criticalkv.eval.report import summarise
 from criticalkv.eval.sweep import load_rows
@@ -79,7 +80,9 @@ def table(folders: dict[str, Path], regime: str) -> str:
 
 def ratio_plot(folders: dict[str, Path], regime: str, path: Path) -> Figure:
     """Each CriticalKV variant's loss ratio to its base against the budget, a panel per folder (model): the point,
-    its 95% interval as a bar, a dashed line at 0.5 (below it: the loss cut by more than half) and one at 1."""
+    its 95% interval as a bar, a dashed line at 0.5 (below it: the loss cut by more than half) and one at 1. Ratios
+    without an interval (the base loses nothing in some resample, so the ratio means little) are left out; one
+    legend names every variant of every panel."""
     cols = columns(folders, regime)
     variants = sorted({m for cells in cols.values() for (m, _), c in cells.items() if "ratio" in c})
     colours = distinct_colours(max(1, len(variants)))
@@ -87,15 +90,17 @@ def ratio_plot(folders: dict[str, Path], regime: str, path: Path) -> Figure:
     axes = fig.subplots(1, len(cols), squeeze=False, sharey=True)[0]
     for ax, (label, cells) in zip(axes, cols.items(), strict=True):
         for n, method in enumerate(variants):
-            points = sorted((float(b), c) for (m, b), c in cells.items() if m == method and c.get("ratio") is not None)
+            points = sorted(
+                (float(b), c) for (m, b), c in cells.items() if m == method and c.get("ratio_interval") is not None
+            )
             if not points:
                 continue
             shift = 1 + 0.04 * (n - (len(variants) - 1) / 2)  # side by side on the log budget axis
             x = [b * shift for b, _ in points]
             y = [c["ratio"] for _, c in points]
-            low = [c["ratio"] - c["ratio_interval"][0] if c["ratio_interval"] else 0.0 for _, c in points]
-            high = [c["ratio_interval"][1] - c["ratio"] if c["ratio_interval"] else 0.0 for _, c in points]
-            ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, color=colours[n], label=method)
+            low = [c["ratio"] - c["ratio_interval"][0] for _, c in points]
+            high = [c["ratio_interval"][1] - c["ratio"] for _, c in points]
+            ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, color=colours[n])
         ax.axhline(0.5, color="black", linestyle="--", linewidth=1)
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log")
@@ -106,7 +111,8 @@ def ratio_plot(folders: dict[str, Path], regime: str, path: Path) -> Figure:
         ax.set_xlabel("budget (fraction kept)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("loss ratio to the base method")
-    axes[-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    handles = [Line2D([], [], color=colours[n], marker="o", label=method) for n, method in enumerate(variants)]
+    axes[-1].legend(handles=handles, fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle(f"question-{regime}: CriticalKV's loss over its base's (below the dashed line: cut by more than half)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
