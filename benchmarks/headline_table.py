@@ -100,7 +100,7 @@ def ratio_plot(folders: dict[str, Path], regime: str, path: Path) -> Figure:
             y = [c["ratio"] for _, c in points]
             low = [c["ratio"] - c["ratio_interval"][0] for _, c in points]
             high = [c["ratio_interval"][1] - c["ratio"] for _, c in points]
-            ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, color=colours[n])
+            ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, color=colours[n], label=method)
         ax.axhline(0.5, color="black", linestyle="--", linewidth=1)
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log")

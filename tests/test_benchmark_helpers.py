@@ -791,10 +791,11 @@ def test_the_headline_table_puts_each_models_figures_in_its_column(tmp_path):
 
 
 def test_the_headline_plot_draws_each_models_loss_ratios_in_a_panel(tmp_path):
-    """A panel per folder; in each, a line per CriticalKV variant through its loss ratio at each budget (0.5 at 0.2:
-    the base loses 50%, the variant 25%), the 0.5 line drawn."""
+    """A panel per folder; in each, a line per CriticalKV variant through its loss ratio at each budget that has an
+    interval (0.5 at 0.2: the base loses 100% in every resample, the variant 50%; at 0.4 the base loses nothing in
+    some resample, so its ratio is left out), the 0.5 line drawn, one legend naming every variant."""
     big = {("a", i, "full", 1.0): 100.0 for i in range(4)}
-    for budget, base, variant in ((0.2, [0, 0, 100, 100], [0, 100, 100, 100]), (0.4, [0, 100, 100, 100], [0] * 4)):
+    for budget, base, variant in ((0.2, [0] * 4, [0, 0, 100, 100]), (0.4, [0, 100, 100, 100], [0] * 4)):
         big |= {("a", i, "snapkv", budget): s for i, s in enumerate(base)}
         big |= {("a", i, "critical-snapkv", budget): s for i, s in enumerate(variant)}
     small = {("a", i, "full", 1.0): 100.0 for i in range(2)} | {("a", i, "snapkv", 0.2): 0.0 for i in range(2)}
@@ -805,10 +806,11 @@ def test_the_headline_plot_draws_each_models_loss_ratios_in_a_panel(tmp_path):
     big_ax, small_ax = fig.axes
     assert (big_ax.get_title(), small_ax.get_title()) == ("big", "small")
     [big_bars] = [bars for bars in big_ax.containers if bars.get_label() == "critical-snapkv"]
-    assert list(big_bars.lines[0].get_ydata()) == [0.5, 4.0]  # 25% over 50%; 100% over 25%
+    assert list(big_bars.lines[0].get_ydata()) == [0.5]  # 50% over 100%; 0.4's 100% over 25% has no interval
     [small_bars] = [bars for bars in small_ax.containers if bars.get_label() == "critical-snapkv"]
     assert list(small_bars.lines[0].get_ydata()) == [0.5]
     assert any(list(line.get_ydata()) == [0.5, 0.5] for line in big_ax.get_lines())
+    assert [text.get_text() for text in small_ax.get_legend().get_texts()] == ["critical-snapkv"]
 
 
 def test_gpu_layer_costs_time_every_piece_each_method_calls(monkeypatch) -> None:
