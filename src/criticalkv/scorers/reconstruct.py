@@ -344,16 +344,20 @@ class ReconstructionScorer(Scorer):
             raise ValueError(f"softmax must be one of {', '.join(SOFTMAX_SPANS)}, got {self.softmax!r}")
 
     def __repr__(self) -> str:  # every option that changes scores (a sweep's record of its methods)
-        return f"{self._passes_key()[:-1]}, group={self.group!r})"
+        return f"ReconstructionScorer({self._pass_options()}, group={self.group!r})"
 
     def _passes_key(self) -> str:
         """The memo key of the reconstruction passes: every option but ``group``, which reduces their maxima after."""
+        return f"ReconstructionScorer({self._pass_options()})"
+
+    def _pass_options(self) -> str:
+        """The options that shape the passes, as ``name=value`` pairs (a tokenizer object by its type and id)."""
         tokenizer = self.tokenizer
         if tokenizer is not None and not isinstance(tokenizer, str):
             tokenizer = f"<{type(tokenizer).__name__} at {id(tokenizer):#x}>"
         return (
-            f"ReconstructionScorer(chunk_size={self.chunk_size}, query_stride={self.query_stride}, "
-            f"sinks={self.sinks}, tokenizer={tokenizer!r}, softmax={self.softmax!r})"
+            f"chunk_size={self.chunk_size}, query_stride={self.query_stride}, sinks={self.sinks}, "
+            f"tokenizer={tokenizer!r}, softmax={self.softmax!r}"
         )
 
     # --- the scorer contract -------------------------------------------------------------------------------
