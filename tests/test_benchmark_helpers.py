@@ -769,6 +769,23 @@ def test_compare_sweeps_pairs_the_samples_both_folders_answered(tmp_path):
     snap = entries["snapkv"]
     assert snap["budget"] == "1024" and snap["samples"] == 2 and snap["means"] == [50.0, 0.0]
     assert snap["difference"] == -50.0 and snap["interval"][0] <= -50.0 <= snap["interval"][1]
+    assert (snap["better"], snap["worse"]) == (0, 1)
+
+
+def test_compare_sweeps_pairs_two_methods_of_one_folder(tmp_path):
+    """``pairs``: the first folder's method against another method of the second (here the same folder); the full
+    cache beside them."""
+    scores = {("a", i, "full", 1.0): 100.0 for i in range(3)}
+    scores |= {("a", 0, "m", 0.2): 0.0, ("a", 1, "m", 0.2): 50.0, ("a", 2, "m", 0.2): 100.0}
+    scores |= {("a", 0, "m:x=1", 0.2): 100.0, ("a", 1, "m:x=1", 0.2): 50.0, ("a", 2, "m:x=1", 0.2): 0.0}
+    scores |= {("a", 0, "m:x=1", 0.4): 100.0}  # no first-method row at 0.4: no entry
+    one = _sweep_folder(tmp_path / "one", scores)
+    entries = compare(one, one, [("m", "m:x=1")])
+    assert [e["method"] for e in entries] == ["full", "m vs m:x=1"]
+    assert entries[0]["difference"] == 0.0 and (entries[0]["better"], entries[0]["worse"]) == (0, 0)
+    pair = entries[1]
+    assert pair["budget"] == "0.2" and pair["samples"] == 3 and pair["means"] == [50.0, 50.0]
+    assert (pair["better"], pair["worse"]) == (1, 1) and pair["difference"] == 0.0
 
 
 def test_the_headline_table_puts_each_models_figures_in_its_column(tmp_path):
