@@ -948,3 +948,27 @@ def test_surrogate_texts_reads_the_factbooks_prose_and_measures_every_map_on_the
     figures = report["other"]
     assert all(-1 <= f["mean_spearman"] <= 1 and 0 <= f["mean_overlap"] <= 1 for f in figures.values())
     assert figures["other"]["mean_spearman"] >= figures["words"]["mean_spearman"]  # measured on its own windows
+
+
+def test_surrogate_lengths_measures_every_map_at_every_length_on_the_same_windows(tiny_tokenizer) -> None:
+    """Each length's figures are ``surrogate_domains.measured``'s at that length (the same seeded windows for every
+    map), keyed by length, text and map."""
+    from surrogate_domains import card_scorer, measured
+    from surrogate_lengths import FIGURES, by_length
+    from test_surrogate import OPTIONS, _model, _text
+
+    from criticalkv.training.surrogate import train_surrogate
+
+    model, text = _model(), _text()
+    trained = train_surrogate(model, tiny_tokenizer, text, OPTIONS, "tiny-llama", progress=False)
+    scorer = card_scorer(trained, tiny_tokenizer)
+    maps = {"trained": trained}
+    texts = {"words": text.text}
+    lengths = [OPTIONS.tokens, 2 * OPTIONS.tokens]
+    report = by_length(model, tiny_tokenizer, maps, texts, scorer, lengths, 2, 0.2, seed=3)
+    assert list(report) == [str(n) for n in lengths]
+    for length in lengths:
+        direct = measured(model, tiny_tokenizer, maps, texts, scorer, 2, length, 0.2, seed=3)
+        assert report[str(length)] == {"words": {"trained": {k: direct["words"]["trained"][k] for k in FIGURES}}}
+        figures = report[str(length)]["words"]["trained"]
+        assert -1 <= figures["mean_spearman"] <= 1 and 0 <= figures["mean_overlap"] <= 1

@@ -1,0 +1,97 @@
+"""Does a surrogate of the reconstruction scorer rank entries as well on contexts longer than its training windows?
+
+``criticalkv train-scorer`` fits each map on windows of one length (the card's ``tokens_per_window``). This measures
+the shipped map, and any maps given with ``--map`` (other fits of the same model), on seeded windows of several
+lengths of two texts, the King James text's held-out fifth (the training text's kind) and RULER's essays (an
+evaluation haystack, measured only), as ``train-scorer`` measures its held-out windows: per layer the rank
+correlation with the true reconstruction scores and the share of the true 20% best entries kept (means over layers
+and heads), and that share over every layer at once (the cross-layer presets' contest).
+
+    python benchmarks/surrogate_lengths.py --model smollm2-135m --lengths 512,1024,2048,4096 --windows 2 \
+        --threads 1 --out results/surrogate_lengths_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+from surrogate_domains import card_scorer, measured, texts
+
+from criticalkv.models import load_model
+from criticalkv.scorers.reconstruct import ReconstructionScorer
+from criticalkv.scorers.surrogate import SurrogateWeights, shipped_for
+
+TEXTS = ("king-james-held-out", "ruler-essays")
+FIGURES = ("mean_spearman", "mean_overlap", "cross_layer_overlap")
+
+
+def by_length(
+    model: torch.nn.Module,
+    tokenizer,
+    maps: dict[str, SurrogateWeights],
+    texts: dict[str, str],
+    scorer: ReconstructionScorer,
+    lengths: list[int],
+    windows: int,
+    budget: float,
+    seed: int,
+) -> dict[str, dict[str, dict[str, dict]]]:
+    """length -> text -> map -> its mean figures (``FIGURES``) on ``windows`` seeded windows of that length, every
+    map on the same windows; a progress line per length as it is measured."""
+    report: dict[str, dict[str, dict[str, dict]]] = {}
+    for length in lengths:
+        fits = measured(model, tokenizer, maps, texts, scorer, windows, length, budget, seed)
+        report[str(length)] = {
+            text: {label: {k: fit[k] for k in FIGURES} for label, fit in row.items()} for text, row in fits.items()
+        }
+        for text, row in report[str(length)].items():
+            for label, fit in row.items():
+                print(
+                    f"{length:6d} {text:20s} {label:30s} Spearman {fit['mean_spearman']:.3f}  "
+                    f"overlap {fit['mean_overlap']:.3f}  across layers {fit['cross_layer_overlap']:.3f}",
+                    flush=True,
+                )
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", help="a preset with a shipped surrogate")
+    parser.add_argument("--lengths", default="512,1024,2048,4096", help="comma-separated window lengths (tokens)")
+    parser.add_argument("--map", type=Path, action="append", default=[], help="another fit of the model (repeatable)")
+    parser.add_argument("--windows", type=int, default=2, help="windows per text and length")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", help="the model's dtype (the surrogates are fitted in float32)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--out", type=Path, default=Path("results/surrogate_lengths.json"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    shipped = shipped_for(model)
+    maps = {"shipped": shipped} | {path.name: SurrogateWeights.load(path) for path in args.map}
+    for weights in maps.values():
+        weights.check(model)
+    budget = shipped.card["held_out_fit"]["budget"]
+    scorer = card_scorer(shipped, tokenizer)
+    chosen = {name: text for name, text in texts().items() if name in TEXTS}
+    lengths = [int(n) for n in args.lengths.split(",")]
+    report = {
+        "command": shlex.join(["python", "benchmarks/surrogate_lengths.py", *sys.argv[1:]]),
+        "model": args.model,
+        "budget": budget,
+        "maps": {label: w.card["training"]["tokens_per_window"] for label, w in maps.items()},  # their windows
+        "lengths": by_length(model, tokenizer, maps, chosen, scorer, lengths, args.windows, budget, args.seed),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
