@@ -75,9 +75,10 @@ def main() -> None:
 
     model, tokenizer = load_model(args.model, dtype=args.dtype)
     shipped = shipped_for(model)
-    maps = {"shipped": shipped} | {path.name: SurrogateWeights.load(path) for path in args.map}
-    for weights in maps.values():
-        weights.check(model)
+    maps = {"shipped": shipped}  # found by the model's fingerprint: each other map must carry the same
+    for path in args.map:
+        maps[path.name] = SurrogateWeights.load(path)
+        maps[path.name].check(model, shipped.fingerprint)
     budget = shipped.card["held_out_fit"]["budget"]
     scorer = card_scorer(shipped, tokenizer)
     chosen = {name: text for name, text in texts().items() if name in TEXTS}
