@@ -6,7 +6,8 @@ loss with the 95% bootstrap interval, and each CriticalKV variant's loss ratio t
         Qwen2.5-1.5B=docs/img/results/ruler4k_qwen15/aware Qwen2.5-0.5B=results/ruler4k-qwen-aware
 
 ``--plot FILE`` also draws the loss ratios against the budget, a panel per model, with their intervals and the
-paper's "more than half" line at 0.5.
+paper's "more than half" line at 0.5. ``--common`` keeps, in each folder, only the samples every method answered (a
+sweep whose new methods have run on part of the samples so far: every figure of a column on the same samples).
 """
 
 from __future__ import annotations
@@ -22,11 +23,22 @@ from criticalkv.eval.sweep import load_rows
 from criticalkv.palette import distinct_colours
 
 
-def columns(folders: dict[str, Path], regime: str) -> dict[str, dict]:
-    """label -> {(method, budget): cell}, a cell holding mean, loss, loss interval, ratio, ratio interval, samples."""
+def answered_by_all(rows: list) -> list:
+    """The rows of the samples (task, index) that every (method, budget) of ``rows`` answered."""
+    pairs = {(r.method, r.budget) for r in rows}
+    seen: dict[tuple, set] = {}
+    for r in rows:
+        seen.setdefault((r.task, r.index), set()).add((r.method, r.budget))
+    return [r for r in rows if seen[(r.task, r.index)] == pairs]
+
+
+def columns(folders: dict[str, Path], regime: str, common: bool = False) -> dict[str, dict]:
+    """label -> {(method, budget): cell}, a cell holding mean, loss, loss interval, ratio, ratio interval, samples;
+    ``common``: each folder's samples that every method answered alone (``answered_by_all``)."""
     out: dict[str, dict] = {}
     for label, folder in folders.items():
-        summary = summarise([r for r in load_rows(folder / "results.jsonl") if r.regime == regime])
+        rows = [r for r in load_rows(folder / "results.jsonl") if r.regime == regime]
+        summary = summarise(answered_by_all(rows) if common else rows)
         cells = {
             (e["method"], "full" if e["method"] == "full" else e["budget"]): {
                 "mean": e["mean"],
@@ -59,9 +71,9 @@ def cell_text(cell: dict | None) -> str:
     return " · ".join(parts)
 
 
-def table(folders: dict[str, Path], regime: str) -> str:
-    """The markdown table: a row per (method, budget), a column per folder."""
-    cols = columns(folders, regime)
+def table(folders: dict[str, Path], regime: str, common: bool = False) -> str:
+    """The markdown table: a row per (method, budget), a column per folder (``common``: see ``columns``)."""
+    cols = columns(folders, regime, common)
     keys = sorted(
         {key for cells in cols.values() for key in cells},
         key=lambda k: (k[0] != "full", str(k[1]), k[0].removeprefix("critical-"), k[0].startswith("critical-")),
@@ -124,6 +136,7 @@ def main() -> None:
     parser.add_argument("folders", nargs="+", help="LABEL=FOLDER, a sweep folder (results.jsonl) per column")
     parser.add_argument("--regime", choices=("aware", "agnostic"), required=True)
     parser.add_argument("--plot", type=Path, help="also draw the loss ratios against the budget to this PNG")
+    parser.add_argument("--common", action="store_true", help="in each folder, only the samples every method answered")
     args = parser.parse_args()
     folders = {}
     for item in args.folders:
@@ -131,7 +144,7 @@ def main() -> None:
         if not sep or not label:
             parser.error(f"give each folder as LABEL=FOLDER, got {item!r}")
         folders[label] = Path(folder)
-    print(table(folders, args.regime))
+    print(table(folders, args.regime, args.common))
     if args.plot:
         ratio_plot(folders, args.regime, args.plot)
 

@@ -1,11 +1,12 @@
-"""Does a surrogate of the reconstruction scorer rank entries as well on contexts longer than its training windows?
+"""Does a surrogate of the reconstruction scorer rank entries as well at every context length, and on every text?
 
-``criticalkv train-scorer`` fits each map on windows of one length (the card's ``tokens_per_window``). This measures
-the shipped map, and any maps given with ``--map`` (other fits of the same model), on seeded windows of several
-lengths of two texts, the King James text's held-out fifth (the training text's kind) and RULER's essays (an
-evaluation haystack, measured only), as ``train-scorer`` measures its held-out windows: per layer the rank
-correlation with the true reconstruction scores and the share of the true 20% best entries kept (means over layers
-and heads), and that share over every layer at once (the cross-layer presets' contest).
+``criticalkv train-scorer`` fits one map per context length of its ``--lengths`` (the card's ``training.lengths``)
+and mixes the two around a context's length. This measures the shipped maps, and any maps given with ``--map``
+(other fits of the same model), on seeded windows of several lengths of up to three texts (``surrogate_domains``):
+the King James text's held-out fifth (the training text's kind), RULER's essays and the language reference that
+``eval facts`` hides its facts in (evaluation haystacks, measured only), as ``train-scorer`` measures its held-out
+windows: per layer the rank correlation with the true scores and the share of the true 20% best entries kept (means
+over layers and heads), and that share over every layer at once (the cross-layer presets' contest).
 
     python benchmarks/surrogate_lengths.py --model smollm2-135m --lengths 512,1024,2048,4096 --windows 2 \
         --threads 1 --out results/surrogate_lengths_smollm2.json
@@ -26,7 +27,6 @@ from criticalkv.models import load_model
 from criticalkv.scorers.reconstruct import ReconstructionScorer
 from criticalkv.scorers.surrogate import SurrogateWeights, shipped_for
 
-TEXTS = ("king-james-held-out", "ruler-essays")
 FIGURES = ("mean_spearman", "mean_overlap", "cross_layer_overlap")
 
 
@@ -65,6 +65,11 @@ def main() -> None:
     parser.add_argument("--lengths", default="512,1024,2048,4096", help="comma-separated window lengths (tokens)")
     parser.add_argument("--map", type=Path, action="append", default=[], help="another fit of the model (repeatable)")
     parser.add_argument("--windows", type=int, default=2, help="windows per text and length")
+    parser.add_argument(
+        "--texts",
+        default="king-james-held-out,ruler-essays,language-reference",
+        help="comma-separated texts to measure on",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--dtype", default="float32", help="the model's dtype (the surrogates are fitted in float32)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -81,13 +86,17 @@ def main() -> None:
         maps[path.name].check(model, shipped.fingerprint)
     budget = shipped.card["held_out_fit"]["budget"]
     scorer = card_scorer(shipped, tokenizer)
-    chosen = {name: text for name, text in texts().items() if name in TEXTS}
+    every = texts()
+    unknown = sorted(set(args.texts.split(",")) - set(every))
+    if unknown:
+        raise SystemExit(f"--texts: unknown {', '.join(unknown)}; known: {', '.join(every)}")
+    chosen = {name: every[name] for name in args.texts.split(",")}
     lengths = [int(n) for n in args.lengths.split(",")]
     report = {
         "command": shlex.join(["python", "benchmarks/surrogate_lengths.py", *sys.argv[1:]]),
         "model": args.model,
         "budget": budget,
-        "maps": {label: w.card["training"]["tokens_per_window"] for label, w in maps.items()},  # their windows
+        "maps": {label: list(w.lengths) for label, w in maps.items()},  # the lengths each was fitted at
         "lengths": by_length(model, tokenizer, maps, chosen, scorer, lengths, args.windows, budget, args.seed),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,8 @@ Training and held-out windows of the King James text are prefilled under the rec
 normalised input its attention reads) are recorded beside the keys, values and true scores. Then, per layer and
 KV head, candidate maps to the log-score are fitted on the training windows and measured on the held-out ones:
 
-- linear on the shipped features (key pair magnitudes, keys, values), the fit ``train-scorer`` ships;
+- linear on the key and value features (key pair magnitudes, keys, values: the shipped features without the three
+  of an entry's place, which add nothing at one length; ``kv_features``), the form ``train-scorer`` ships;
 - linear on the hidden states, and on both (the hidden state is what KVzap reads);
 - a small MLP on the shipped features (GELU hidden layer beside a linear path; Adam, seeded minibatches).
 
@@ -31,7 +32,6 @@ from criticalkv.models import load_model
 from criticalkv.models.families import attention_modules
 from criticalkv.progress import step_progress
 from criticalkv.scorers.reconstruct import ReconstructionScorer
-from criticalkv.scorers.surrogate import surrogate_features
 from criticalkv.training.surrogate import (
     SCORE_FLOOR,
     NormalEquations,
@@ -79,10 +79,17 @@ def gather(model, ids: torch.Tensor, scorer: ReconstructionScorer) -> dict[int, 
     rows = {}
     for sample in samples:
         free = ~sample.protected
-        features = surrogate_features(sample.keys[None], sample.values[None])[0][:, free]
+        features = kv_features(sample.keys, sample.values)[:, free]
         target = sample.scores[:, free].clamp(min=SCORE_FLOOR).log().float()
         rows[sample.layer] = Rows(features, hidden[sample.layer][free], target)
     return rows
+
+
+def kv_features(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """(h_kv, t, d/2 + 2d) float32: each entry's key pair magnitudes (RoPE's rotate-half pairs), key and value."""
+    k, v = keys.float(), values.float()
+    half = k.shape[-1] // 2
+    return torch.cat([torch.hypot(k[..., :half], k[..., half : 2 * half]), k, v], dim=-1)
 
 
 def with_ones(x: torch.Tensor) -> torch.Tensor:
@@ -112,8 +119,9 @@ def linear_candidate(kind: str, ridge: float, train: list[dict[int, Rows]]):
     equations = NormalEquations()
     for window in train:
         for layer, rows in window.items():
-            equations.add_rows(layer, with_ones(rows.inputs(kind)), rows.target.double())
-    weight, bias, layers = equations.solve(ridge)  # (L, h_kv, F'), (L, h_kv)
+            equations.add_rows(layer, rows.target.shape[1], with_ones(rows.inputs(kind)), rows.target.double())
+    weight, bias, layers, _ = equations.solve(ridge)  # (L, h_kv, 1, F'), (L, h_kv, 1): one length
+    weight, bias = weight[:, :, 0], bias[:, :, 0]
     index = {layer: i for i, layer in enumerate(layers)}
 
     def predict(layer: int, rows: Rows) -> torch.Tensor:
@@ -185,7 +193,7 @@ def main() -> None:
 
     text = kjv_text()
     model, tokenizer = load_model(args.model, dtype="float32")
-    options = TrainingOptions(windows=args.windows, held_out=args.held_out, tokens=args.tokens, seed=args.seed)
+    options = TrainingOptions(windows=args.windows, held_out=args.held_out, lengths=(args.tokens,), seed=args.seed)
     train_ids, held_out_ids = split_windows(tokenizer, text.text, options)  # the windows train-scorer reads
     scorer = ReconstructionScorer(tokenizer=tokenizer)
     started = time.perf_counter()

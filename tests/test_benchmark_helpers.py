@@ -165,7 +165,6 @@ def test_a_report_of_criticalkv_alone_gets_one_row_and_one_bar_per_preset(tmp_pa
     """``--systems ours`` over every preset: no kvpress columns, the compression where a method has one, and one bar
     per (method, length) in the plot (its line plots would draw ten methods of two dozen); a method that ran at one
     length only gets an empty bar at the other."""
-    import json
 
     import plot_benchmarks
 
@@ -368,7 +367,6 @@ def test_random_weights_follow_the_seed_and_keep_the_shape(tmp_path: Path, tiny_
 
 def test_one_process_times_several_runs_of_the_same_generation(tmp_path: Path, tiny_tokenizer) -> None:
     """``--runs-per-process N``: one warm-up, then N timed generations of the same prompt, the same tokens."""
-    import json
 
     from random_weights import write_random_model
 
@@ -709,7 +707,6 @@ def test_window_attention_benchmarks_baseline_is_the_same_attention() -> None:
 
 def test_rerun_under_starts_the_script_again_under_the_allocator_once(tmp_path: Path) -> None:
     """glibc reads its settings at start: the script runs again (exec) with them and the marker set, then goes on."""
-    import json
     import os
     import subprocess
 
@@ -744,7 +741,6 @@ def test_rerun_under_starts_the_script_again_under_the_allocator_once(tmp_path: 
 
 def _sweep_folder(path: Path, scores: dict) -> Path:
     """A sweep folder of aware rows, {(task, index, method, budget): score}."""
-    import json
     from dataclasses import asdict
 
     from criticalkv.eval.sweep import Row
@@ -805,6 +801,17 @@ def test_the_headline_table_puts_each_models_figures_in_its_column(tmp_path):
     big_critical, small_critical = (cell.strip() for cell in rows[("`critical-snapkv`", "0.2")])
     assert big_critical.startswith("75.0 · 25.0% (") and " · 0.50 (" in big_critical
     assert small_critical == "not run"
+
+
+def test_the_headline_table_can_keep_only_the_samples_every_method_answered(tmp_path):
+    """A method that has answered 2 of 4 samples so far: with ``common`` every row of the column is on those 2."""
+    rows = {("a", i, "full", 1.0): 100.0 for i in range(4)}
+    rows |= {("a", i, "snapkv", 0.2): s for i, s in enumerate([0.0, 100.0, 100.0, 100.0])}
+    rows |= {("a", i, "new", 0.2): 100.0 for i in range(2)}
+    folder = _sweep_folder(tmp_path / "f", rows)
+    every, common = table({"f": folder}, "aware"), table({"f": folder}, "aware", common=True)
+    assert "(4 samples, 2-4 per task)" in every.splitlines()[0] and "`snapkv` | 0.2 | 75.0 ·" in every
+    assert "(2 samples, 2 per task)" in common.splitlines()[0] and "`snapkv` | 0.2 | 50.0 ·" in common
 
 
 def test_the_headline_plot_draws_each_models_loss_ratios_in_a_panel(tmp_path):
@@ -900,56 +907,6 @@ def test_surrogate_domains_measures_on_the_held_out_fifth_and_the_two_haystacks(
     assert haystack_id() == hashlib.sha256(haystack_text().encode()).hexdigest()[:12]
 
 
-def test_surrogate_texts_reads_the_factbooks_prose_and_measures_every_map_on_the_same_windows(
-    tmp_path, tiny_tokenizer
-) -> None:
-    """The Factbook text: every ``text`` field of at least MIN_WORDS words, nested anywhere, in sorted file order.
-    The fit: the surrogate's maps from the given windows' rows (the same as train-scorer's on the same windows).
-    The measure: each map on the same windows of each text, the map fitted on a text's windows best on them."""
-    import torch
-    from surrogate_domains import card_scorer, measured
-    from surrogate_texts import MIN_WORDS, factbook_text, fitted
-    from test_surrogate import OPTIONS, _model, _text
-
-    from criticalkv.scorers.reconstruct import ReconstructionScorer
-    from criticalkv.training.surrogate import collect, split_windows, train_surrogate, window_ids
-
-    long = " ".join(["word"] * MIN_WORDS)
-    for region, name, body in (
-        ("b-region", "y.json", {"Economy": {"Overview": {"text": "second " + long}}, "Area": {"text": "12 sq km"}}),
-        ("a-region", "x.json", {"Intro": [{"Background": {"text": "first " + long}}], "Short": {"text": "a b c"}}),
-    ):
-        (tmp_path / "data" / region).mkdir(parents=True)
-        (tmp_path / "data" / region / name).write_text(json.dumps(body))
-    assert factbook_text(tmp_path) == f"first {long}\nsecond {long}"
-
-    model, text = _model(), _text()
-    trained = train_surrogate(model, tiny_tokenizer, text, OPTIONS, "tiny-llama", progress=False)
-    scorer = card_scorer(trained, tiny_tokenizer)  # the scorer the card says the map was fitted to
-    reference = ReconstructionScorer(chunk_size=OPTIONS.chunk_size, tokenizer=tiny_tokenizer)
-    assert (scorer.chunk_size, scorer.sinks) == (reference.chunk_size, reference.sinks)
-    windows = split_windows(tiny_tokenizer, text.text, OPTIONS)[0]
-    refit = fitted([collect(model, ids, scorer) for ids in windows], OPTIONS.ridge, trained.fingerprint)
-    torch.testing.assert_close(refit.weight, trained.weight)
-    torch.testing.assert_close(refit.bias, trained.bias)
-
-    other = " ".join(f"token{i % 37} and more" for i in range(4000))  # text unlike the training text
-    other_map = fitted(
-        [
-            collect(model, ids, scorer)
-            for ids in window_ids(tiny_tokenizer, other, 2, 96, torch.Generator().manual_seed(5))
-        ],
-        OPTIONS.ridge,
-        trained.fingerprint,
-    )
-    maps = {"words": refit, "other": other_map}
-    report = measured(model, tiny_tokenizer, maps, {"other": other}, scorer, 2, 96, 0.2, seed=5)
-    assert set(report) == {"other"} and set(report["other"]) == {"words", "other"}
-    figures = report["other"]
-    assert all(-1 <= f["mean_spearman"] <= 1 and 0 <= f["mean_overlap"] <= 1 for f in figures.values())
-    assert figures["other"]["mean_spearman"] >= figures["words"]["mean_spearman"]  # measured on its own windows
-
-
 def test_surrogate_lengths_measures_every_map_at_every_length_on_the_same_windows(tiny_tokenizer) -> None:
     """Each length's figures are ``surrogate_domains.measured``'s at that length (the same seeded windows for every
     map), keyed by length, text and map."""
@@ -964,7 +921,7 @@ def test_surrogate_lengths_measures_every_map_at_every_length_on_the_same_window
     scorer = card_scorer(trained, tiny_tokenizer)
     maps = {"trained": trained}
     texts = {"words": text.text}
-    lengths = [OPTIONS.tokens, 2 * OPTIONS.tokens]
+    lengths = [OPTIONS.lengths[0], 2 * OPTIONS.lengths[-1]]  # at a fitted length and past the last
     report = by_length(model, tiny_tokenizer, maps, texts, scorer, lengths, 2, 0.2, seed=3)
     assert list(report) == [str(n) for n in lengths]
     for length in lengths:

@@ -78,11 +78,11 @@ def _random_surrogate(model) -> SurrogateWeights:
     """Random linear maps for a random model, which no shipped surrogate fits: the presets' plumbing is tested here,
     the fit in test_surrogate.py."""
     layers = tuple(full_attention_layers(model.config))
-    shape = (len(layers), model.config.num_key_value_heads)
+    shape = (len(layers), model.config.num_key_value_heads, 2)  # maps at two lengths
     weight = 0.1 * torch.randn(
         *shape, feature_count(head_dim(model.config)), generator=torch.Generator().manual_seed(5)
     )
-    return SurrogateWeights(weight, torch.zeros(shape), layers, model_fingerprint(model))
+    return SurrogateWeights(weight, torch.zeros(shape), layers, model_fingerprint(model), (16, 64))
 
 
 def _refusal(name: str, model) -> str | None:

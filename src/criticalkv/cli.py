@@ -36,6 +36,7 @@ from criticalkv.runtime.checks import check_methods_config
 from criticalkv.runtime.chunked import rolling_budget
 from criticalkv.runtime.rolling import check_rolling_method
 from criticalkv.runtime.session import ContextSession
+from criticalkv.training.surrogate import DEFAULT_LENGTHS
 
 app = typer.Typer(help="KV-cache eviction for long-context inference: CriticalKV over SnapKV and friends.")
 app.add_typer(eval_app, name="eval")
@@ -556,9 +557,15 @@ def calibrate_heads(
 def train_scorer(
     out: Annotated[Path, typer.Option(help="Surrogate file to write (.safetensors; its card beside it as .json).")],
     model: Annotated[str, typer.Option(help="Preset name or local folder.")] = DEFAULT_PRESET,
-    windows: Annotated[int, typer.Option(help="Training windows (prefills) of the training text.")] = 8,
-    held_out: Annotated[int, typer.Option(help="Held-out windows the card's fit figures are measured on.")] = 2,
-    tokens: Annotated[int, typer.Option(help="Tokens per window.")] = 1024,
+    windows: Annotated[int, typer.Option(help="Training windows (prefills) of each length.")] = 2,
+    held_out: Annotated[int, typer.Option(help="Held-out windows of each length, for the card's fit figures.")] = 1,
+    lengths: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated context lengths (tokens per window), increasing: one map is fitted at each, and "
+            "contexts between two use both mixed; longer ones the last. Cover the lengths you serve."
+        ),
+    ] = ",".join(str(n) for n in DEFAULT_LENGTHS),
     seed: Annotated[int, typer.Option(help="Seed of the windows' places in the text.")] = 0,
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
     dtype: Annotated[
@@ -574,7 +581,7 @@ def train_scorer(
     from criticalkv.training.surrogate import TrainingOptions, train_and_save
 
     try:
-        options = TrainingOptions(windows=windows, held_out=held_out, tokens=tokens, seed=seed)
+        options = TrainingOptions(windows, held_out, tuple(parse_numbers(lengths, int, "--lengths")), seed)
         if out.suffix != ".safetensors":
             raise CriticalKVError(f"--out names a .safetensors file, got {out}")
         _writable(out)

@@ -1,18 +1,26 @@
 """A learned surrogate of the reconstruction scorer (after KVzap): per layer and KV head, a linear map from what the
-prefill already holds, each entry's key and value, to the logarithm of the score KVzip's reconstruction passes
-would give it. Scoring costs a few small products per layer and no forward pass, so the question-agnostic presets
-run at about the price of a plain prefill.
+prefill already holds, each entry's key, value and place in the context, to the logarithm of the score KVzip's
+reconstruction passes would give it. Scoring costs a few small products per layer and no forward pass, so the
+question-agnostic presets run at about the price of a plain prefill.
 
 The features of an entry (``surrogate_features``) are its key's RoPE pair magnitudes, which the rotation leaves
-unchanged, so they do not depend on the entry's position; its key as cached (the slow pairs hardly turn over a
-few thousand positions and keep their direction); and its value. ``criticalkv train-scorer`` fits the maps
-(``criticalkv.training.surrogate``); fitted maps ship for the preset models and are found by the model's
-fingerprint (``criticalkv.models.fingerprint``).
+unchanged; its key as cached (the slow pairs hardly turn over a few thousand positions and keep their direction);
+its value; and three of its place: its position p among the n entries of its row as p/n, log(1+p) and log(n-p).
+(Each map is fitted at one length, so n itself would only repeat the bias.)
+
+A map fitted on contexts of one length ranks the entries of other lengths badly (docs/results.md), so the maps come
+in a set, one per fitted context length (``SurrogateWeights.lengths``), and a row of n entries is scored by the map
+interpolated linearly in log n between the two fitted lengths around n (the first or last below or above them).
+``criticalkv train-scorer`` fits the maps (``criticalkv.training.surrogate``); fitted maps ship for the preset
+models and are found by the model's fingerprint (``criticalkv.models.fingerprint``).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import math
 import weakref
 from dataclasses import dataclass, field
 from importlib import resources
@@ -30,7 +38,8 @@ from criticalkv.models.families import attention_modules
 from criticalkv.models.fingerprint import model_fingerprint
 from criticalkv.scorers.base import Scorer
 
-FEATURES = "rope-pair-magnitudes+keys+values/v1"  # the feature layout the weights are fitted on
+FEATURES = "rope-pair-magnitudes+keys+values+place/v2"  # the feature layout the weights are fitted on
+PLACE_FEATURES = 3  # p/n, log(1+p), log(n-p)
 TRAIN_COMMAND = "criticalkv train-scorer --model <preset or folder> --out <file>.safetensors"
 _METADATA = "criticalkv-surrogate"  # the safetensors metadata key of the header (fingerprint, features)
 _LOG_CEILING = 40.0  # predicted log-scores beyond this would overflow float32 in exp; real ones are <= 0
@@ -41,12 +50,21 @@ class SurrogateError(CriticalKVError):
 
 
 def feature_count(head_dim: int) -> int:
-    """Features per entry: d/2 pair magnitudes, the d key components and the d value components."""
-    return head_dim // 2 + 2 * head_dim
+    """Features per entry: d/2 pair magnitudes, the d key and d value components, and ``PLACE_FEATURES``."""
+    return head_dim // 2 + 2 * head_dim + PLACE_FEATURES
 
 
-def surrogate_features(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """(b, h_kv, t, F) float32 features from keys and values (b, h_kv, t, d), F = ``feature_count(d)``.
+def place_features(valid: torch.Tensor) -> torch.Tensor:
+    """(b, t, 3) float32: for each entry its position p among the n real entries of its row (``valid`` (b, t) bool,
+    False on padding) as p/n, log(1+p) and log(n-p). Padding gets the features of its row's next entry."""
+    n = valid.sum(-1, keepdim=True).clamp(min=1).float()  # (b, 1)
+    p = (valid.cumsum(-1) - 1).clamp(min=0).float()  # (b, t)
+    return torch.stack([p / n, p.log1p(), (n - p).clamp(min=1).log()], dim=-1)
+
+
+def surrogate_features(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(b, h_kv, t, F) float32 features from keys and values (b, h_kv, t, d) and the rows' real entries ``valid``
+    (b, t) bool, F = ``feature_count(d)``.
 
     RoPE (transformers' rotate-half layout) turns component i with component i + d/2 by the position's angle, so
     the length of each such pair is the same at every position.
@@ -54,24 +72,45 @@ def surrogate_features(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor
     k, v = keys.float(), values.float()
     half = k.shape[-1] // 2
     magnitudes = torch.hypot(k[..., :half], k[..., half : 2 * half])  # (b, h_kv, t, d/2)
-    return torch.cat([magnitudes, k, v], dim=-1)
+    place = place_features(valid.to(k.device))[:, None].expand(-1, k.shape[1], -1, -1)  # (b, h_kv, t, 3)
+    return torch.cat([magnitudes, k, v, place], dim=-1)
+
+
+def length_mix(lengths: torch.Tensor, fitted: tuple[int, ...]) -> torch.Tensor:
+    """(b, K) float32 weights of the K maps fitted at context lengths ``fitted`` (increasing) for rows of
+    ``lengths`` (b,) entries: linear in log length between the two fitted lengths around each row's (one map
+    alone at a fitted length), the first or last map alone below or above them. Rows sum to 1."""
+    knots = torch.tensor([math.log(n) for n in fitted], dtype=torch.float64, device=lengths.device)  # (K,)
+    x = lengths.double().clamp(min=fitted[0], max=fitted[-1]).log()  # (b,)
+    mix = torch.zeros(lengths.shape[0], len(fitted), dtype=torch.float64, device=lengths.device)
+    if len(fitted) == 1:
+        return mix.fill_(1.0).float()
+    upper = torch.searchsorted(knots, x, right=True).clamp(1, len(fitted) - 1)  # (b,)
+    lower = upper - 1
+    share = (x - knots[lower]) / (knots[upper] - knots[lower])  # (b,) in [0, 1]
+    mix.scatter_(1, lower[:, None], (1 - share)[:, None])
+    mix.scatter_add_(1, upper[:, None], share[:, None])
+    return mix.float()
 
 
 @dataclass(frozen=True, repr=False, eq=False)  # tensors: compared by identity
 class SurrogateWeights:
-    """Fitted linear maps of one model: ``weight[i] @ features + bias[i]`` is the log reconstruction score of an
-    entry of layer ``layers[i]``, per KV head.
+    """Fitted linear maps of one model: for a row of n entries, ``w @ features + b`` is the log reconstruction score
+    of an entry of layer ``layers[i]``, per KV head, where w and b mix the K maps ``weight[i, :, k]`` and
+    ``bias[i, :, k]`` fitted at context lengths ``lengths`` by ``length_mix(n, lengths)``.
 
     Parameters
     ----------
     weight
-        (L, h_kv, F) float32.
+        (L, h_kv, K, F) float32.
     bias
-        (L, h_kv) float32.
+        (L, h_kv, K) float32.
     layers
         The layer index of each of the L maps (the model's compressible layers).
     fingerprint
         ``model_fingerprint`` of the model the maps were fitted on.
+    lengths
+        The K context lengths the maps were fitted at, increasing.
     card
         What the training wrote about itself (text, sizes, fit figures); saved beside the weights as JSON.
     """
@@ -80,18 +119,41 @@ class SurrogateWeights:
     bias: torch.Tensor
     layers: tuple[int, ...]
     fingerprint: str
+    lengths: tuple[int, ...]
     card: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        maps, h_kv, _ = self.weight.shape
-        if self.bias.shape != (maps, h_kv) or len(self.layers) != maps:
+        if self.weight.dim() != 4:
+            raise SurrogateError(f"surrogate weights are (L, h_kv, K, F), got shape {tuple(self.weight.shape)}")
+        maps, h_kv, fits, _ = self.weight.shape
+        if self.bias.shape != (maps, h_kv, fits) or len(self.layers) != maps or len(self.lengths) != fits:
             raise SurrogateError(
-                f"surrogate weights of shape {tuple(self.weight.shape)} need biases (L, h_kv) = {(maps, h_kv)} and "
-                f"{maps} layer indices, got {tuple(self.bias.shape)} and {len(self.layers)}"
+                f"surrogate weights of shape {tuple(self.weight.shape)} need biases (L, h_kv, K) = "
+                f"{(maps, h_kv, fits)}, {maps} layer indices and {fits} lengths, got {tuple(self.bias.shape)}, "
+                f"{len(self.layers)} and {len(self.lengths)}"
             )
+        if any(a >= b for a, b in zip(self.lengths, self.lengths[1:])) or min(self.lengths) < 1:
+            raise SurrogateError(f"the fitted lengths must increase from >= 1, got {self.lengths}")
 
     def __repr__(self) -> str:  # part of the scorer's repr, the memo key of its scores: short, and names the fit
-        return f"SurrogateWeights(fingerprint={self.fingerprint!r}, layers={len(self.layers)})"
+        return f"SurrogateWeights(fingerprint={self.fingerprint!r}, digest={self.digest!r})"
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """A short hash of the maps (weights, biases, layers and lengths): two fits differ in it."""
+        hashed = hashlib.sha256()
+        for tensor in (self.weight, self.bias):
+            hashed.update(tensor.float().contiguous().numpy().tobytes())
+        hashed.update(repr((self.layers, self.lengths)).encode())
+        return hashed.hexdigest()[:12]
+
+    def predict(self, index: int, features: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+        """(b, h_kv, t) float32 log-scores by the maps of ``layers[index]`` for features (b, h_kv, t, F), the K maps
+        mixed per row by ``mix`` (b, K) (``length_mix`` of the rows' lengths)."""
+        mix = mix.to(features.device)
+        weight = torch.einsum("bk,hkf->bhf", mix, self.weight[index].to(features.device))  # (b, h_kv, F)
+        bias = torch.einsum("bk,hk->bh", mix, self.bias[index].to(features.device))  # (b, h_kv)
+        return torch.einsum("bhtf,bhf->bht", features, weight) + bias[..., None]
 
     def save(self, path: str | Path) -> Path:
         """Write the maps to ``path`` (safetensors) and the card beside it (same name, ``.json``); returns path."""
@@ -101,6 +163,7 @@ class SurrogateWeights:
             "weight": self.weight.float().contiguous(),
             "bias": self.bias.float().contiguous(),
             "layers": torch.tensor(self.layers, dtype=torch.int64),
+            "lengths": torch.tensor(self.lengths, dtype=torch.int64),
         }
         # one metadata entry: safetensors writes several in a random order, and a training run must give the same bytes
         save_file(tensors, str(path), metadata={_METADATA: json.dumps(self._header(), sort_keys=True)})
@@ -119,14 +182,16 @@ class SurrogateWeights:
         try:
             with safe_open(str(path), framework="pt") as file:
                 metadata = json.loads((file.metadata() or {})[_METADATA])
-                tensors = {name: file.get_tensor(name) for name in ("weight", "bias", "layers")}
+                if metadata.get("features") != FEATURES:
+                    raise SurrogateError(
+                        f"{path} holds maps over features {metadata.get('features')!r}; this version reads "
+                        f"{FEATURES!r}: train it again with: {TRAIN_COMMAND}"
+                    )
+                tensors = {name: file.get_tensor(name) for name in ("weight", "bias", "layers", "lengths")}
+        except SurrogateError:
+            raise
         except Exception as error:  # safetensors raises its own types for a truncated or foreign file
             raise SurrogateError(f"{path} is not a surrogate scorer file ({type(error).__name__}: {error})") from None
-        if metadata.get("features") != FEATURES:
-            raise SurrogateError(
-                f"{path} holds maps over features {metadata.get('features')!r}; this version reads {FEATURES!r}: "
-                f"train it again with: {TRAIN_COMMAND}"
-            )
         card_path = path.with_suffix(".json")
         card = json.loads(card_path.read_text()) if card_path.is_file() else {}
         return cls(
@@ -134,6 +199,7 @@ class SurrogateWeights:
             tensors["bias"].float(),
             tuple(int(i) for i in tensors["layers"].tolist()),
             metadata.get("fingerprint", ""),
+            tuple(int(n) for n in tensors["lengths"].tolist()),
             card,
         )
 
@@ -154,6 +220,15 @@ def shipped_surrogates() -> list[Path]:
     if not folder.is_dir():  # an installation without any
         return []
     return sorted(Path(str(entry)) for entry in folder.iterdir() if entry.name.endswith(".safetensors"))
+
+
+@functools.cache
+def shipped_digest() -> str:
+    """A short hash of every shipped surrogate file (read once per process): the shipped maps changed, so did it."""
+    hashed = hashlib.sha256()
+    for path in shipped_surrogates():
+        hashed.update(path.name.encode() + path.read_bytes())
+    return hashed.hexdigest()[:12]
 
 
 def shipped_for(model: nn.Module, fingerprint: str | None = None) -> SurrogateWeights:
@@ -192,7 +267,7 @@ class SurrogateScorer(Scorer):
 
     weights: SurrogateWeights | None = None
     sinks: int = 4
-    # attention module -> its (h_kv, F) map and (h_kv,) bias, set by check_model for the model being compressed
+    # attention module -> the maps and the index of its layer in them, set by check_model
     _maps: weakref.WeakKeyDictionary = field(
         default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False
     )
@@ -201,8 +276,9 @@ class SurrogateScorer(Scorer):
         if self.sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
 
-    def __repr__(self) -> str:  # the memo key of its scores: the options that change them
-        return f"SurrogateScorer(weights={self.weights!r}, sinks={self.sinks})"
+    def __repr__(self) -> str:  # the memo key of its scores and a sweep's record of the method: what changes them
+        weights = self.weights if self.weights is not None else f"shipped:{shipped_digest()}"
+        return f"SurrogateScorer(weights={weights}, sinks={self.sinks})"
 
     def check_model(self, model: nn.Module) -> None:
         """Find (or check) the maps for ``model`` before any forward, and attach each to its attention layer."""
@@ -213,7 +289,7 @@ class SurrogateScorer(Scorer):
         for module in attention_modules(model):
             if module.layer_idx in position:
                 i = position[module.layer_idx]
-                self._maps[module] = (weights.weight[i], weights.bias[i])
+                self._maps[module] = (weights, i)
 
     def score(self, view: LayerView) -> torch.Tensor:
         maps = self._maps.get(view.module)
@@ -222,13 +298,14 @@ class SurrogateScorer(Scorer):
                 f"the surrogate scorer has no map for layer {view.module.layer_idx} of this model: it is attached "
                 "when a compressor is installed (criticalkv.compress, ContextSession, SharedPrefill)"
             )
-        weight, bias = maps  # (h_kv, F), (h_kv,)
+        weights, index = maps
         h_kv = view.keys.shape[1]
-        if weight.shape[0] != h_kv:
-            raise SurrogateError(f"the surrogate map has {weight.shape[0]} KV heads, the layer {h_kv}")
-        features = surrogate_features(view.keys, view.values)  # (b, h_kv, t, F)
-        weight = weight.to(features.device)
-        log_scores = torch.einsum("bhtf,hf->bht", features, weight) + bias.to(features.device)[None, :, None]
+        if weights.weight.shape[1] != h_kv:
+            raise SurrogateError(f"the surrogate map has {weights.weight.shape[1]} KV heads, the layer {h_kv}")
+        features = surrogate_features(view.keys, view.values, view.valid)  # (b, h_kv, t, F)
+        key = ("surrogate length mix", weights.lengths)
+        mix = view.remember_for_prefill(key, lambda: length_mix(view.lengths, weights.lengths))  # (b, K)
+        log_scores = weights.predict(index, features, mix)  # (b, h_kv, t)
         return log_scores.clamp_(max=_LOG_CEILING).exp_()  # (b, h_kv, t) float32
 
     def protected(self, view: LayerView) -> torch.Tensor:
