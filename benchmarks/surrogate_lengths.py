@@ -2,11 +2,13 @@
 
 ``criticalkv train-scorer`` fits one map per context length of its ``--lengths`` (the card's ``training.lengths``)
 and mixes the two around a context's length. This measures the shipped maps, and any maps given with ``--map``
-(other fits of the same model), on seeded windows of several lengths of up to three texts (``surrogate_domains``):
+(other fits of the same model), on seeded windows of several lengths of up to three texts (``texts``):
 the King James text's held-out fifth (the training text's kind), RULER's essays and the language reference that
 ``eval facts`` hides its facts in (evaluation haystacks, measured only), as ``train-scorer`` measures its held-out
-windows: per layer the rank correlation with the true scores and the share of the true 20% best entries kept (means
-over layers and heads), and that share over every layer at once (the cross-layer presets' contest).
+windows, under the reconstruction scorer the map was fitted to (the card's chunk size and sinks): per layer the rank
+correlation with the true scores and the share of the true 20% best entries kept (means over layers and heads), and
+that share over every layer at once (the cross-layer presets' contest). King James windows come from the held-out
+last fifth, so no window was trained on; nothing is fitted on the haystacks.
 
     python benchmarks/surrogate_lengths.py --model smollm2-135m --lengths 512,1024,2048,4096 --windows 2 \
         --threads 1 --out results/surrogate_lengths_smollm2.json
@@ -21,13 +23,60 @@ import sys
 from pathlib import Path
 
 import torch
-from surrogate_domains import card_scorer, measured, texts
 
+from criticalkv.eval.facts import haystack_text
+from criticalkv.eval.needle import load_haystack
 from criticalkv.models import load_model
+from criticalkv.progress import step_progress
 from criticalkv.scorers.reconstruct import ReconstructionScorer
 from criticalkv.scorers.surrogate import SurrogateWeights, shipped_for
+from criticalkv.training.surrogate import HeldOutFit, collect, split_text, window_ids
+from criticalkv.training.text import kjv_text
 
 FIGURES = ("mean_spearman", "mean_overlap", "cross_layer_overlap")
+
+
+def texts() -> dict[str, str]:
+    """The three texts by name: the King James text's held-out fifth, RULER's essays, the language reference."""
+    return {
+        "king-james-held-out": split_text(kjv_text().text)[1],
+        "ruler-essays": load_haystack(),
+        "language-reference": haystack_text(),
+    }
+
+
+def card_scorer(weights: SurrogateWeights, tokenizer) -> ReconstructionScorer:
+    """The reconstruction scorer a surrogate was fitted to: its card's chunk size and sinks."""
+    built = weights.card["training"]["reconstruction"]
+    return ReconstructionScorer(chunk_size=built["chunk_size"], tokenizer=tokenizer, sinks=built["sinks"])
+
+
+def measured(
+    model: torch.nn.Module,
+    tokenizer,
+    maps: dict[str, SurrogateWeights],
+    texts: dict[str, str],
+    scorer: ReconstructionScorer,
+    windows: int,
+    tokens: int,
+    budget: float,
+    seed: int,
+) -> dict[str, dict[str, dict]]:
+    """text -> map -> ``HeldOutFit.figures`` (Spearman, per-head kept-set overlap at ``budget``, that overlap across
+    layers, per layer), every map measured on the same ``windows`` seeded windows of each text (one reconstruction
+    pass a window)."""
+    report: dict[str, dict[str, dict]] = {}
+    with step_progress("surrogate fit per text", windows * len(texts)) as advance:
+        for name, text in texts.items():
+            fits = {label: HeldOutFit() for label in maps}
+            generator = torch.Generator().manual_seed(seed)
+            for index, ids in enumerate(window_ids(tokenizer, text, windows, tokens, generator)):
+                samples = collect(model, ids, scorer)
+                for label, weights in maps.items():
+                    fits[label].add(samples, weights, budget)
+                advance(f"{name} window {index + 1}/{windows}")
+            report[name] = {label: fit.figures(budget) for label, fit in fits.items()}
+    return report
 
 
 def by_length(

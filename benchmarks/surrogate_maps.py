@@ -6,7 +6,7 @@ normalised input its attention reads) are recorded beside the keys, values and t
 KV head, candidate maps to the log-score are fitted on the training windows and measured on the held-out ones:
 
 - linear on the key and value features (key pair magnitudes, keys, values: the shipped features without the three
-  of an entry's place, which add nothing at one length; ``kv_features``), the form ``train-scorer`` ships;
+  of an entry's place, added later with the maps per length; ``key_value_features``), the form ``train-scorer`` ships;
 - linear on the hidden states, and on both (the hidden state is what KVzap reads);
 - a small MLP on the shipped features (GELU hidden layer beside a linear path; Adam, seeded minibatches).
 
@@ -32,6 +32,7 @@ from criticalkv.models import load_model
 from criticalkv.models.families import attention_modules
 from criticalkv.progress import step_progress
 from criticalkv.scorers.reconstruct import ReconstructionScorer
+from criticalkv.scorers.surrogate import key_value_features
 from criticalkv.training.surrogate import (
     SCORE_FLOOR,
     NormalEquations,
@@ -79,17 +80,10 @@ def gather(model, ids: torch.Tensor, scorer: ReconstructionScorer) -> dict[int, 
     rows = {}
     for sample in samples:
         free = ~sample.protected
-        features = kv_features(sample.keys, sample.values)[:, free]
+        features = key_value_features(sample.keys, sample.values)[:, free]
         target = sample.scores[:, free].clamp(min=SCORE_FLOOR).log().float()
         rows[sample.layer] = Rows(features, hidden[sample.layer][free], target)
     return rows
-
-
-def kv_features(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """(h_kv, t, d/2 + 2d) float32: each entry's key pair magnitudes (RoPE's rotate-half pairs), key and value."""
-    k, v = keys.float(), values.float()
-    half = k.shape[-1] // 2
-    return torch.cat([torch.hypot(k[..., :half], k[..., half : 2 * half]), k, v], dim=-1)
 
 
 def with_ones(x: torch.Tensor) -> torch.Tensor:
@@ -119,6 +113,7 @@ def linear_candidate(kind: str, ridge: float, train: list[dict[int, Rows]]):
     equations = NormalEquations()
     for window in train:
         for layer, rows in window.items():
+            # one length: every window has the same number of rows, which keys the sums
             equations.add_rows(layer, rows.target.shape[1], with_ones(rows.inputs(kind)), rows.target.double())
     weight, bias, layers, _ = equations.solve(ridge)  # (L, h_kv, 1, F'), (L, h_kv, 1): one length
     weight, bias = weight[:, :, 0], bias[:, :, 0]

@@ -890,8 +890,8 @@ def test_surrogate_maps_records_the_prefills_attention_input_and_fits_determinis
     assert torch.equal(first(1, held_out[0][1]), second(1, held_out[0][1]))  # seeded: the same fit twice
 
 
-def test_surrogate_domains_measures_on_the_held_out_fifth_and_the_two_haystacks() -> None:
-    from surrogate_domains import texts
+def test_surrogate_lengths_measures_on_the_held_out_fifth_and_the_two_haystacks() -> None:
+    from surrogate_lengths import texts
 
     from criticalkv.eval.facts import haystack_id, haystack_text
     from criticalkv.eval.needle import load_haystack
@@ -908,10 +908,9 @@ def test_surrogate_domains_measures_on_the_held_out_fifth_and_the_two_haystacks(
 
 
 def test_surrogate_lengths_measures_every_map_at_every_length_on_the_same_windows(tiny_tokenizer) -> None:
-    """Each length's figures are ``surrogate_domains.measured``'s at that length (the same seeded windows for every
+    """Each length's figures are ``measured``'s at that length (the same seeded windows for every
     map), keyed by length, text and map."""
-    from surrogate_domains import card_scorer, measured
-    from surrogate_lengths import FIGURES, by_length
+    from surrogate_lengths import FIGURES, by_length, card_scorer, measured
     from test_surrogate import OPTIONS, _model, _text
 
     from criticalkv.training.surrogate import train_surrogate

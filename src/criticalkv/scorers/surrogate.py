@@ -62,18 +62,22 @@ def place_features(valid: torch.Tensor) -> torch.Tensor:
     return torch.stack([p / n, p.log1p(), (n - p).clamp(min=1).log()], dim=-1)
 
 
-def surrogate_features(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """(b, h_kv, t, F) float32 features from keys and values (b, h_kv, t, d) and the rows' real entries ``valid``
-    (b, t) bool, F = ``feature_count(d)``.
+def key_value_features(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """(..., d/2 + 2d) float32: each entry's key pair magnitudes, key and value, from keys and values (..., d).
 
     RoPE (transformers' rotate-half layout) turns component i with component i + d/2 by the position's angle, so
     the length of each such pair is the same at every position.
     """
     k, v = keys.float(), values.float()
     half = k.shape[-1] // 2
-    magnitudes = torch.hypot(k[..., :half], k[..., half : 2 * half])  # (b, h_kv, t, d/2)
-    place = place_features(valid.to(k.device))[:, None].expand(-1, k.shape[1], -1, -1)  # (b, h_kv, t, 3)
-    return torch.cat([magnitudes, k, v, place], dim=-1)
+    return torch.cat([torch.hypot(k[..., :half], k[..., half : 2 * half]), k, v], dim=-1)
+
+
+def surrogate_features(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(b, h_kv, t, F) float32 features from keys and values (b, h_kv, t, d) and the rows' real entries ``valid``
+    (b, t) bool, F = ``feature_count(d)``: ``key_value_features`` and ``place_features``."""
+    place = place_features(valid.to(keys.device))[:, None].expand(-1, keys.shape[1], -1, -1)  # (b, h_kv, t, 3)
+    return torch.cat([key_value_features(keys, values), place], dim=-1)
 
 
 def length_mix(lengths: torch.Tensor, fitted: tuple[int, ...]) -> torch.Tensor:
