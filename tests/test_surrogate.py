@@ -114,8 +114,8 @@ def test_pair_magnitudes_are_the_same_at_every_position():
     keys, values = torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g)
     angles = torch.rand(1, 1, 5, 4, generator=g) * 100
     valid = torch.ones(1, 5, dtype=torch.bool)
-    plain = surrogate_features(keys, values, valid)
-    rotated = surrogate_features(_rotate(keys, angles), values, valid)
+    plain = surrogate_features(keys, values, place_features(valid))
+    rotated = surrogate_features(_rotate(keys, angles), values, place_features(valid))
     assert plain.shape[-1] == feature_count(8) == 23
     torch.testing.assert_close(plain[..., :4], rotated[..., :4])  # magnitudes
     torch.testing.assert_close(plain[..., 12:], rotated[..., 12:])  # values and places
@@ -151,7 +151,7 @@ def test_normal_equations_solve_least_squares_and_recover_a_planted_map():
     h, d, t = 2, 8, 300
     keys, values = torch.randn(1, h, t, d, generator=g), torch.randn(1, h, t, d, generator=g)
     planted = torch.randn(h, feature_count(d), generator=g) * 0.1
-    features = surrogate_features(keys, values, torch.ones(1, t, dtype=torch.bool))[0]
+    features = surrogate_features(keys, values, place_features(torch.ones(1, t, dtype=torch.bool)))[0]
     log_scores = torch.einsum("htf,hf->ht", features, planted) - 3.0
 
     class Sample:
@@ -277,7 +277,7 @@ def _reference_keep(model, weights: SurrogateWeights, ids: torch.Tensor, budget:
         share = math.log(t / short) / math.log(long / short)
         weight = (1 - share) * weights.weight[i, :, 0] + share * weights.weight[i, :, 1]  # (h_kv, F)
         bias = (1 - share) * weights.bias[i, :, 0] + share * weights.bias[i, :, 1]  # (h_kv,)
-        features = surrogate_features(keys, values, torch.ones(1, t, dtype=torch.bool))[0]
+        features = surrogate_features(keys, values, place_features(torch.ones(1, t, dtype=torch.bool)))[0]
         scores = (torch.einsum("htf,hf->ht", features, weight) + bias[:, None]).exp()
         scores[:, :sinks] = float("inf")
         keep = torch.zeros_like(scores, dtype=torch.bool)

@@ -73,10 +73,10 @@ def key_value_features(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor
     return torch.cat([torch.hypot(k[..., :half], k[..., half : 2 * half]), k, v], dim=-1)
 
 
-def surrogate_features(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """(b, h_kv, t, F) float32 features from keys and values (b, h_kv, t, d) and the rows' real entries ``valid``
-    (b, t) bool, F = ``feature_count(d)``: ``key_value_features`` and ``place_features``."""
-    place = place_features(valid.to(keys.device))[:, None].expand(-1, keys.shape[1], -1, -1)  # (b, h_kv, t, 3)
+def surrogate_features(keys: torch.Tensor, values: torch.Tensor, place: torch.Tensor) -> torch.Tensor:
+    """(b, h_kv, t, F) float32 features from keys and values (b, h_kv, t, d) and the rows' ``place_features``
+    (b, t, 3), F = ``feature_count(d)``: ``key_value_features`` and the place, the same for every head."""
+    place = place.to(keys.device)[:, None].expand(-1, keys.shape[1], -1, -1)  # (b, h_kv, t, 3)
     return torch.cat([key_value_features(keys, values), place], dim=-1)
 
 
@@ -306,7 +306,8 @@ class SurrogateScorer(Scorer):
         h_kv = view.keys.shape[1]
         if weights.weight.shape[1] != h_kv:
             raise SurrogateError(f"the surrogate map has {weights.weight.shape[1]} KV heads, the layer {h_kv}")
-        features = surrogate_features(view.keys, view.values, view.valid)  # (b, h_kv, t, F)
+        place = view.remember_for_prefill("surrogate place", lambda: place_features(view.valid))  # (b, t, 3)
+        features = surrogate_features(view.keys, view.values, place)  # (b, h_kv, t, F)
         key = ("surrogate length mix", weights.lengths)
         mix = view.remember_for_prefill(key, lambda: length_mix(view.lengths, weights.lengths))  # (b, K)
         log_scores = weights.predict(index, features, mix)  # (b, h_kv, t)

@@ -25,7 +25,13 @@ from criticalkv.progress import step_progress
 from criticalkv.runtime.session import ContextSession
 from criticalkv.scorers.base import PrefillContext
 from criticalkv.scorers.reconstruct import ReconstructionScorer
-from criticalkv.scorers.surrogate import FEATURES, SurrogateWeights, length_mix, surrogate_features
+from criticalkv.scorers.surrogate import (
+    FEATURES,
+    SurrogateWeights,
+    length_mix,
+    place_features,
+    surrogate_features,
+)
 from criticalkv.training.text import TrainingText, kjv_text
 
 SCORE_FLOOR = 1e-7  # log-scores below log(1e-7) are all "never attended"; the floor keeps log finite
@@ -164,7 +170,9 @@ def design_rows(sample: LayerSample) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows the fit reads: features with a trailing 1 (h_kv, n, F+1) float64, log-scores (h_kv, n) float64."""
     free = ~sample.protected  # (t,)
     valid = torch.ones(1, sample.keys.shape[1], dtype=torch.bool)  # one window, no padding
-    features = surrogate_features(sample.keys[None], sample.values[None], valid)[0][:, free]  # (h_kv, n, F)
+    features = surrogate_features(sample.keys[None], sample.values[None], place_features(valid))[0][
+        :, free
+    ]  # (h_kv, n, F)
     ones = features.new_ones(*features.shape[:2], 1)
     target = sample.scores[:, free].clamp(min=SCORE_FLOOR).log()
     return torch.cat([features, ones], dim=-1).double(), target.double()
