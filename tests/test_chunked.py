@@ -331,3 +331,32 @@ def test_generate_takes_the_prompt_by_keyword_or_position_and_beams_are_refused_
         pytest.raises(BoundedMemoryError, match="beam search"),
     ):
         model.generate(ids, max_new_tokens=4, num_beams=2, do_sample=False)
+
+
+def test_generate_continues_a_compressed_cache_in_chunks_and_refuses_what_it_would_prefill_whole():
+    model = _model("llama")
+    widths = []  # tokens of every forward
+    hook = model.get_input_embeddings().register_forward_hook(lambda module, args, out: widths.append(out.shape[1]))
+    try:
+        with criticalkv.compress(model, "snapkv", chunk_size=8, cap=10, window=4):
+            out = model.generate(_ids(30, seed=15), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+            ids = torch.cat([out.sequences, _ids(25, seed=16)], dim=1)  # (1, 58): 32 tokens cached, 26 new
+            widths.clear()
+            model.generate(ids, cache=out.past_key_values, max_new_tokens=3, do_sample=False)
+            assert widths == [8, 8, 8, 1, 1, 1, 1]  # the new tokens but the last in chunks, then three steps
+            assert all(int(layer.lengths.max()) <= 10 + 2 for layer in out.past_key_values.layers)
+            with pytest.raises(BoundedMemoryError, match="inputs_embeds"):
+                model.generate(inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=2)
+            widths.clear()
+            with pytest.warns(UserWarning, match="stays empty"):
+                model.generate(ids[:, :20], cache=DynamicCache(config=model.config), max_new_tokens=1)
+            assert widths == [8, 8, 3, 1]  # an empty cache of the user's is a new prompt's
+        filled = DynamicCache(config=model.config)
+        model(ids[:, :5], cache=filled)
+        with (
+            criticalkv.compress(model, "snapkv", chunk_size=8, cap=10, window=4),
+            pytest.raises(BoundedMemoryError, match="DynamicCache"),
+        ):
+            model.generate(ids, cache=filled, max_new_tokens=2)
+    finally:
+        hook.remove()

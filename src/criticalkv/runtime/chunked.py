@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 
 from criticalkv.budget import Budget
+from criticalkv.cache.compressed_cache import CompressedCache
 from criticalkv.cache.compressed_layer import CompressedLayer
 from criticalkv.core.positions import forward_on_cache
 from criticalkv.errors import BoundedMemoryError
@@ -120,9 +121,9 @@ def _check_guide(cache: Cache, guide_ids: torch.Tensor, batch: int) -> None:
 
 def generate_in_chunks(compressor: Compressor, generate: Callable, args: tuple, kwargs: dict, config: object):
     """The model's ``generate`` inside a block with a bounded-memory schedule: with ``chunk_size``, the prompt but
-    its last token prefilled in chunks into a compressed cache, then ``generate`` continues from that cache (its
-    first step reads the last token). Beam search with ``compress_every`` is refused: the beams reorder the cache,
-    not the window's remembered queries."""
+    its last token prefilled in chunks into a compressed cache (or, given one to continue, the tokens after it), then
+    ``generate`` continues from that cache (its first step reads the last token); embeddings are refused. Beam
+    search with ``compress_every`` is refused: the beams reorder the cache, not the window's remembered queries."""
     rolling = compressor.rolling
     if rolling.every is not None and (kwargs.get("num_beams") or getattr(config, "num_beams", 1) or 1) > 1:
         raise BoundedMemoryError("beam search cannot compress while decoding (compress_every): use greedy or sampling")
@@ -133,11 +134,23 @@ def generate_in_chunks(compressor: Compressor, generate: Callable, args: tuple, 
         ids = kwargs.pop("input_ids")
     else:  # generate's first parameter, ``inputs``, or none (embeddings)
         ids, args = (args[0], args[1:]) if args else (None, args)
-    if not isinstance(ids, torch.Tensor) or kwargs.get("cache", kwargs.get("past_key_values")) is not None:
-        return generate(ids, *args, **kwargs)  # embeddings, or a cache to continue: nothing to chunk
+    if not isinstance(ids, torch.Tensor):
+        raise BoundedMemoryError(
+            "chunk_size prefills token ids chunk by chunk, and inputs_embeds would be prefilled whole: give input_ids"
+        )
+    given = kwargs.pop("cache", None)
+    given = kwargs.pop("past_key_values", None) if given is None else given
+    if given is not None and not isinstance(given, CompressedCache) and given.get_seq_length() == 0:
+        given = None  # an empty cache of the user's: the prefill fills a compressed one (the guard warned)
+    if given is not None and not isinstance(given, CompressedCache):
+        raise BoundedMemoryError(
+            f"chunk_size continues only a compressed cache (an earlier generate's past_key_values in this block), "
+            f"not a {type(given).__name__}: its tokens were prefilled unbounded"
+        )
     mask = kwargs.pop("attention_mask", None)
     mask = torch.ones_like(ids) if mask is None else mask
-    cache = compressor.new_cache()
-    if ids.shape[1] > 1:
-        prefill_in_chunks(compressor.model, ids[:, :-1], mask[:, :-1], cache, rolling.chunk_size, rolling)
+    cache = compressor.new_cache() if given is None else given
+    seen = cache.get_seq_length()  # a cache to continue holds the prompt's first tokens; the rest go in chunks
+    if ids.shape[1] - 1 > seen:
+        prefill_in_chunks(compressor.model, ids[:, seen:-1], mask[:, :-1], cache, rolling.chunk_size, rolling)
     return generate(ids, *args, attention_mask=mask, cache=cache, **kwargs)  # ids: generate's first, ``inputs``
