@@ -18,8 +18,10 @@ from conftest import save_random_llama
 from typer.testing import CliRunner
 
 from criticalkv.budget import Budget
+from criticalkv.cache import CompressedLayer
 from criticalkv.cli import app as cli_app
 from criticalkv.models import load_model
+from criticalkv.runtime.persist import load_session
 from criticalkv.runtime.session import ContextSession
 from criticalkv.serve.app import ServerSettings, create_app
 from criticalkv.serve.prompts import document_ids, question_ids
@@ -274,6 +276,62 @@ def test_compress_then_ask_on_the_command_line(tiny_folder: Path, tiny, tiny_tok
     assert tokenizer.decode(tokens, skip_special_tokens=True).strip() + "\n" in asked.output
     refused = runner.invoke(cli_app, ["ask", str(tmp_path / "missing.safetensors"), "--question", "q"])
     assert refused.exit_code == 2 and "is not a file" in refused.output
+
+
+CHUNKED = {"chunk_size": 32, "cap": 24}  # the document's ~150 tokens in 5 chunks, 24 entries per KV head kept
+
+
+def _chunked_session(model, tokenizer) -> ContextSession:
+    """The document prefilled in chunks in this process, never saved: what compress and serve must hold."""
+    session = ContextSession(model, METHOD, Budget(24), **CHUNKED)
+    session.prefill(document_ids(tokenizer, DOCUMENT))
+    return session
+
+
+def _keys(session: ContextSession) -> list[torch.Tensor]:
+    return [layer.context_keys for layer in session.cache.layers if isinstance(layer, CompressedLayer)]
+
+
+def test_compress_prefills_a_long_document_in_chunks(tiny_folder: Path, tiny, tmp_path: Path) -> None:
+    (tmp_path / "doc.txt").write_text(DOCUMENT)
+    out = tmp_path / "ctx.safetensors"
+    runner = CliRunner()
+    args = ["compress", "--model", str(tiny_folder), "--method", METHOD, "--context-file", str(tmp_path / "doc.txt"),
+            "--out", str(out), "--device", "cpu"]  # fmt: skip
+    made = runner.invoke(cli_app, [*args, "--chunk-size", "32", "--cap", "24"])
+    assert made.exit_code == 0, made.output
+    model, tokenizer = tiny
+    reference = _chunked_session(model, tokenizer)
+    one_shot = ContextSession(model, METHOD, Budget(24))
+    one_shot.prefill(document_ids(tokenizer, DOCUMENT))
+    loaded = _keys(load_session(out, model))
+    assert all(torch.equal(a, b) for a, b in zip(loaded, _keys(reference), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(loaded, _keys(one_shot), strict=True))  # not compressed once
+    refused = runner.invoke(cli_app, [*args, "--chunk-size", "32"])  # the default budget, a fraction
+    assert refused.exit_code == 2 and "--cap" in refused.output
+
+
+def test_the_server_prefills_documents_in_chunks(tiny, tmp_path: Path) -> None:
+    model, tokenizer = tiny
+    store = ContextStore(model, tmp_path / "store", max_bytes=1 << 30)
+    settings = ServerSettings(model, tokenizer, NAME, store, METHOD, Budget(24), bounded=CHUNKED)
+    server = Server(create_app(settings))
+    try:
+        created = _new_context(server)
+        assert created.status_code == 200, created.text
+        reference = _chunked_session(model, tokenizer)
+        assert created.json()["kv_bytes"] == reference.kv_bytes()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=6,
+            extra_body={"context_id": created.json()["id"]},
+        )
+        tokens = reference.ask(question_ids(tokenizer, QUESTION), max_new_tokens=6).tokens
+        assert reply.choices[0].message.content == tokenizer.decode(tokens[0], skip_special_tokens=True)
+    finally:
+        server.stop()
 
 
 def test_question_ids_continue_the_document_as_one_prompt(tiny) -> None:

@@ -91,13 +91,18 @@ def compress(
     option: Annotated[list[str] | None, typer.Option(help="Method option key=value, e.g. window=64.")] = None,
     dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
+    chunk_size: ChunkSizeOption = None,
+    cap: CapOption = None,
 ) -> None:
     """Compress a document once, before any question, and save it: `criticalkv ask` answers from the file."""
     from criticalkv.serve.offline import compress_document
 
     try:
         _writable(out)
-        done = compress_document(model, method, budget, context_file, out, dtype, device, _parse_options(option or []))
+        bounded = Bounded(chunk_size, cap)
+        (kept,) = bounded.budgets([Budget.parse(budget)])
+        options = _parse_options(option or [])
+        done = compress_document(model, method, kept, context_file, out, dtype, device, options, bounded.options)
     except CriticalKVError as error:
         print_error(console, error)
         raise typer.Exit(2) from None
@@ -155,15 +160,19 @@ def serve(
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
+    chunk_size: ChunkSizeOption = None,
+    cap: CapOption = None,
 ) -> None:
     """An OpenAI-compatible server over stored compressed contexts (docs/serving.md)."""
     from criticalkv.serve.server import serve as run_server
 
     try:
+        bounded = Bounded(chunk_size, cap)
+        (kept,) = bounded.budgets([Budget.parse(budget)])
         run_server(
             model,
             method,
-            budget,
+            kept,
             store,
             max_memory,
             host,
@@ -175,6 +184,7 @@ def serve(
             _parse_options(option or []),
             batch_window_ms / 1000,
             max_batch,
+            bounded.options,
         )
     except CriticalKVError as error:
         print_error(console, error)

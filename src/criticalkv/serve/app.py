@@ -104,6 +104,9 @@ class ServerSettings:
         The stored contexts.
     method, budget, options
         How documents (and conversations without a stored context) are compressed.
+    bounded
+        ``chunk_size`` and ``cap`` (``ContextSession``'s): documents and conversations are prefilled in chunks and
+        compressed back to the cap after each, so a long one holds bounded memory (empty: one forward).
     max_document_tokens
         Longer documents are refused with 413.
     default_max_tokens
@@ -121,6 +124,7 @@ class ServerSettings:
     method: str = "critical-snapkv"
     budget: Budget = field(default_factory=lambda: Budget(0.2))
     options: dict[str, object] = field(default_factory=dict)
+    bounded: dict[str, int] = field(default_factory=dict)
     max_document_tokens: int = 8192
     default_max_tokens: int = 128
     batch_window: float = 0.01
@@ -301,9 +305,14 @@ def _context_json(store: ContextStore, context_id: str) -> dict:
     return {"object": "context", **asdict(info)}
 
 
+def _new_session(settings: ServerSettings) -> ContextSession:
+    """An empty session under the server's method, budget, options and bounded-memory schedule."""
+    return ContextSession(settings.model, settings.method, settings.budget, **settings.bounded, **settings.options)
+
+
 def _compress(settings: ServerSettings, ids: torch.Tensor) -> str:
     """On the worker: compress a document's ids (1, t) and store it; its id."""
-    session = ContextSession(settings.model, settings.method, settings.budget, **settings.options)
+    session = _new_session(settings)
     device = next(settings.model.parameters()).device
     try:
         session.prefill(ids.to(device))
@@ -350,7 +359,7 @@ def _prepare(settings: ServerSettings, body: ChatRequest) -> ContextSession:
         raise HTTPFailure(
             413, f"the conversation is {ids.shape[1]} tokens, over the limit of {settings.max_document_tokens}"
         )
-    session = ContextSession(settings.model, settings.method, settings.budget, **settings.options)
+    session = _new_session(settings)
     try:
         session.prefill(ids.to(next(settings.model.parameters()).device))
     except CriticalKVError as error:

@@ -19,14 +19,16 @@ from criticalkv.serve.prompts import TextStream, document_ids, question_ids
 def compress_document(
     model_name: str,
     method: str,
-    budget: str,
+    budget: str | Budget,
     context_file: Path,
     out: Path,
     dtype: str = "auto",
     device: str = "auto",
     options: dict[str, object] | None = None,
+    bounded: dict[str, int] | None = None,
 ) -> dict[str, object]:
-    """Compress ``context_file``'s text (question-agnostic) and save the session to ``out``; what was written."""
+    """Compress ``context_file``'s text (question-agnostic) and save the session to ``out``; what was written.
+    ``bounded``: ``chunk_size`` and ``cap`` of a chunked prefill (``ContextSession``'s), memory bounded by them."""
     options = options or {}
     parsed = Budget.parse(budget)
     if build_method(method, **options) is None or parsed.keeps_everything:
@@ -41,7 +43,7 @@ def compress_document(
         check_length(config, encoded[0].shape[1], "document length")
 
     model, _ = launch.load_model(model_name, dtype=dtype, device=device, with_tokenizer=prepare)
-    session = ContextSession(model, method, parsed, **options)
+    session = ContextSession(model, method, parsed, **(bounded or {}), **options)
     session.prefill(encoded[0].to(next(model.parameters()).device))
     size = save_session(session, out, model_source=model_name)
     return {"tokens": session.context_length, "file_bytes": size, "kv_bytes": session.kv_bytes()}

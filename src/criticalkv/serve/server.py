@@ -26,7 +26,7 @@ def default_store() -> Path:
 def serve(
     model_name: str,
     method: str,
-    budget: str,
+    budget: str | Budget,
     store: Path | None,
     max_memory_mib: float,
     host: str,
@@ -38,8 +38,10 @@ def serve(
     options: dict[str, object] | None = None,
     batch_window: float = 0.01,
     max_batch: int = 8,
+    bounded: dict[str, int] | None = None,
 ) -> None:
-    """Serve until stopped; ``batch_window`` in seconds (``ServerSettings``)."""
+    """Serve until stopped; ``batch_window`` in seconds, ``bounded`` a chunked prefill's ``chunk_size`` and ``cap``
+    (``ServerSettings``)."""
     options = options or {}
     parsed = Budget.parse(budget)
     if build_method(method, **options) is None or parsed.keeps_everything:
@@ -57,6 +59,7 @@ def serve(
         method=method,
         budget=parsed,
         options=options,
+        bounded=bounded or {},
         max_document_tokens=limit,
         default_max_tokens=max_tokens,
         batch_window=batch_window,
