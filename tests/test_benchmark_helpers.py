@@ -1,5 +1,5 @@
 """The pure helpers of the benchmarks (the kvpress comparisons: speed_memory.py, quality_vs_kvpress.py; and
-compare_sweeps.py, headline_table.py)."""
+compare_sweeps.py, headline_table.py, kept_positions.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "
 
 from compare_sweeps import compare
 from headline_table import ratio_plot, table
+from kept_positions import shares
 from plot_benchmarks import (
     answer_cells,
     compression_table,
@@ -928,3 +930,13 @@ def test_surrogate_lengths_measures_every_map_at_every_length_on_the_same_window
         assert report[str(length)] == {"words": {"trained": {k: direct["words"]["trained"][k] for k in FIGURES}}}
         figures = report[str(length)]["words"]["trained"]
         assert -1 <= figures["mean_spearman"] <= 1 and 0 <= figures["mean_overlap"] <= 1
+
+
+def test_kept_shares_count_every_layer_and_head_per_tenth_and_whole_spans() -> None:
+    held = torch.zeros(2, 3, 20, dtype=torch.bool)  # (layers, h_kv, t)
+    held[:, :, 18:] = True  # every pair holds the last tenth
+    held[0, 0, 4:6] = True  # one pair of six holds positions 4 and 5 (the third tenth)
+    held[1, 2, 4] = True  # another holds position 4 alone
+    out = shares(held, [(4, 6), (18, 20)])
+    assert out["share_per_tenth"] == [0.0, 0.0, round(3 / 15, 4)] + [0.0] * 6 + [round(12 / 15, 4)]
+    assert out["pairs_holding_value"] == [round(1 / 6, 4), 1.0]
