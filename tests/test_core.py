@@ -12,6 +12,7 @@ from criticalkv import Method
 from criticalkv.allocators import Allocator, UniformAllocator
 from criticalkv.core.positions import positions_from_mask
 from criticalkv.errors import MethodOptionError
+from criticalkv.methods import method_spec
 from criticalkv.scorers import DefensiveScorer, Scorer, SnapKVScorer, TOVAScorer
 from criticalkv.selectors import CriticalSelector, DefensiveSelector, Selector, TopKSelector
 
@@ -43,6 +44,31 @@ def test_the_method_states_its_window() -> None:
     assert Method(TOVAScorer()).window is None
     assert criticalkv.build_method("critical-snapkv", window=64).window == 64
     assert criticalkv.build_method("critical-snapkv", window=64).query_rows == 64
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "spec"),
+    [
+        ("critical-snapkv", {}, "critical-snapkv"),
+        ("critical-snapkv", {"window": 8, "alpha": 0.25}, "critical-snapkv:alpha=0.25;window=8"),
+        ("snapkv:window=8", {"kernel": 3}, "snapkv:kernel=3;window=8"),
+        ("layer-reconstruct", {"softmax": "chunk"}, "layer-reconstruct:softmax=chunk"),
+        ("critical-adakv", {"screen": False}, "critical-adakv:screen=false"),
+    ],
+)
+def test_a_methods_spec_builds_it_again_with_its_keyword_options(name, options, spec) -> None:
+    method = criticalkv.build_method(name, **options)
+    assert method_spec(method) == spec
+    assert repr(criticalkv.build_method(spec).pieces) == repr(method.pieces)
+
+
+def test_a_method_no_spec_can_say_has_none() -> None:
+    assert method_spec(Method(SnapKVScorer(window=16), selector=CriticalSelector(window=16))) is None  # no preset
+    mixed = criticalkv.build_method("critical-snapkv")
+    mixed = Method(mixed.scorer, mixed.allocator, CriticalSelector(alpha=0.3), name="critical-snapkv")
+    assert method_spec(mixed) == "critical-snapkv:alpha=0.3"
+    apart = Method(SnapKVScorer(kernel=3), selector=CriticalSelector(), name="critical-snapkv")  # kernel 3 and 5
+    assert method_spec(apart) is None  # "kernel=3" would set both pieces' kernel
 
 
 class _Recent(Scorer):

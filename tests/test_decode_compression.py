@@ -13,6 +13,7 @@ from test_sweep import _score, _setup
 import criticalkv
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedLayer
+from criticalkv.errors import BoundedMemoryError
 from criticalkv.eval.sweep import run_sweep
 from criticalkv.prompts import encode_prompt
 from criticalkv.runtime.session import ContextSession
@@ -132,3 +133,37 @@ def test_stacked_sessions_compress_while_answering_once_they_saw_a_window():
         layers = [layer for layer in stacked.cache.layers if isinstance(layer, CompressedLayer)]
         steps.append(max(int(layer.lengths.max()) + layer.tail for layer in layers))
     assert len(steps) == 12 and steps[-1] <= CAP + EVERY  # compressed once the stacked rows saw a window
+
+
+def test_a_loaded_session_compresses_while_answering_as_the_session_it_was_saved_from(tmp_path):
+    model = _model("llama")
+    made = ContextSession(model, "critical-snapkv", cap=CAP, compress_every=EVERY, window=4)
+    made.prefill(_ids(40, seed=12))
+    made.save(tmp_path / "ctx.safetensors")
+    loaded = ContextSession.load(tmp_path / "ctx.safetensors", model, compress_every=EVERY)  # cap: the file's 12
+    question = _ids(3, seed=13)
+    sizes = []
+    for _ in loaded.stream(question, 20):
+        layers = [layer for layer in loaded.cache.layers if isinstance(layer, CompressedLayer)]
+        sizes.append(max(int(layer.lengths.max()) + layer.tail for layer in layers))
+    assert max(sizes) <= CAP + EVERY and len(sizes) == 20
+    # the window (4 queries) is the question's and the answer's by the first compression: as the saved session
+    assert torch.equal(loaded.ask(question, 20).tokens, made.ask(question, 20).tokens)
+    plain = ContextSession.load(tmp_path / "ctx.safetensors", model)
+    assert not torch.equal(plain.ask(question, 20).tokens, made.ask(question, 20).tokens)  # it did compress
+
+
+def test_a_loaded_session_refuses_a_decoding_schedule_it_cannot_follow(tmp_path):
+    model = _model("llama")
+    for method, budget in (("critical-snapkv", 0.3), ("layer-defensive-bounded", 12)):
+        session = ContextSession(model, method, budget, window=4)
+        session.prefill(_ids(40, seed=14))
+        session.save(tmp_path / f"{method}.safetensors")
+    with pytest.raises(BoundedMemoryError, match="give cap"):
+        ContextSession.load(tmp_path / "critical-snapkv.safetensors", model, compress_every=EVERY)  # 0.3 of what?
+    with pytest.raises(BoundedMemoryError, match="applies with compress_every"):
+        ContextSession.load(tmp_path / "critical-snapkv.safetensors", model, cap=CAP)
+    with pytest.raises(BoundedMemoryError, match="'layer-defensive-bounded:window=4'"):  # state over one prefill
+        ContextSession.load(tmp_path / "layer-defensive-bounded.safetensors", model, cap=CAP, compress_every=EVERY)
+    loaded = ContextSession.load(tmp_path / "critical-snapkv.safetensors", model, cap=CAP, compress_every=EVERY)
+    assert loaded.compressor.rolling.cap == CAP and loaded.compressor.method.scorer.window == 4  # the saved window

@@ -13,9 +13,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_runtime import _ids, _model
 
+from criticalkv import Method
 from criticalkv.errors import CacheStateError, StoredContextError
 from criticalkv.runtime import persist
 from criticalkv.runtime.session import ContextSession
+from criticalkv.scorers import SnapKVScorer
+from criticalkv.selectors import CriticalSelector
 
 #: one preset per family of the cache's layouts: uniform, head-wise (variable segment lengths), cross-layer (deferred)
 PRESETS = ["snapkv:window=8", "critical-adakv:window=8", "layer-defensive:window=8"]
@@ -180,6 +183,24 @@ def test_the_header_says_what_the_file_holds(saved: Path) -> None:
     assert header["method"]["spec"] == "snapkv" and "SnapKVScorer" in header["method"]["description"]
     assert header["context"]["tokens"] == 40 and len(header["context"]["sha256"]) == 64
     assert header["model"] == persist.model_fingerprint(_model("llama"))
+
+
+def test_the_header_spec_holds_the_keyword_options_and_says_whether_it_is_exact(tmp_path: Path) -> None:
+    model = _model("llama")
+    made = ContextSession(model, "critical-snapkv", 12, window=8, alpha=0.25)
+    made.prefill(_ids(40, seed=4))
+    made.save(tmp_path / "options.safetensors")
+    header = persist.read_header(tmp_path / "options.safetensors")["method"]
+    assert header["spec"] == "critical-snapkv:alpha=0.25;window=8" and header["exact"]
+    custom = Method(SnapKVScorer(window=8), selector=CriticalSelector(window=8))
+    made = ContextSession(model, custom, 12)
+    made.prefill(_ids(40, seed=4))
+    made.save(tmp_path / "custom.safetensors")
+    assert not persist.read_header(tmp_path / "custom.safetensors")["method"]["exact"]
+    with pytest.raises(StoredContextError, match="pass method="):
+        ContextSession.load(tmp_path / "custom.safetensors", model, compress_every=4)
+    loaded = ContextSession.load(tmp_path / "custom.safetensors", model, custom, compress_every=4)
+    assert loaded.compressor.rolling.cap == 12
 
 
 def test_a_crash_mid_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

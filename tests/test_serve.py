@@ -334,6 +334,54 @@ def test_the_server_prefills_documents_in_chunks(tiny, tmp_path: Path) -> None:
         server.stop()
 
 
+def test_answers_from_a_stored_context_compress_while_decoding(
+    tiny_folder: Path, tiny, tiny_tokenizer, tmp_path: Path
+) -> None:
+    """A file compressed at 24 entries per KV head, asked 40 tokens compressing every 8: on the command line, and
+    by the server from a context it stored and from the same file loaded by a store that did not make it."""
+    model, tokenizer = tiny
+    (tmp_path / "doc.txt").write_text(DOCUMENT)
+    out = tmp_path / "ctx.safetensors"
+    runner = CliRunner()
+    made = runner.invoke(
+        cli_app,
+        ["compress", "--model", str(tiny_folder), "--method", METHOD, "--budget", "24",
+         "--context-file", str(tmp_path / "doc.txt"), "--out", str(out), "--device", "cpu"],
+    )  # fmt: skip
+    assert made.exit_code == 0, made.output
+    reference = ContextSession.load(out, model, compress_every=8)  # cap: the file's 24
+    tokens = reference.ask(question_ids(tokenizer, QUESTION), max_new_tokens=40, eos_token_id=None).tokens
+    plain = ContextSession.load(out, model).ask(question_ids(tokenizer, QUESTION), max_new_tokens=40).tokens
+    assert not torch.equal(tokens, plain)  # compressing changed the answer: the options were followed
+    expected = tokenizer.decode(tokens[0], skip_special_tokens=True)
+    asked = runner.invoke(cli_app, ["ask", str(out), "--question", QUESTION, "--max-new-tokens", "40",
+                                    "--model", str(tiny_folder), "--compress-every", "8"])  # fmt: skip
+    assert asked.exit_code == 0, asked.output
+    eos = tiny_tokenizer.eos_token_id  # the command's tokenizer stops at it (the fixture's model does not)
+    listed = tokens[0].tolist()
+    cut = listed[: listed.index(eos)] if eos in listed else listed  # the command stops at the tokenizer's eos
+    assert tokenizer.decode(cut, skip_special_tokens=True).strip() + "\n" in asked.output
+    refused = runner.invoke(cli_app, ["ask", str(out), "--question", QUESTION, "--cap", "24"])
+    assert refused.exit_code == 2 and "compress_every" in refused.output
+    store = ContextStore(model, tmp_path / "store", max_bytes=1 << 30, decoding={"compress_every": 8})
+    (tmp_path / "store" / "ctx-0123456789abcdef0123456789abcdef.safetensors").write_bytes(out.read_bytes())
+    bounded = {"cap": 24, "compress_every": 8}
+    server = Server(create_app(ServerSettings(model, tokenizer, NAME, store, METHOD, Budget(24), bounded=bounded)))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        created = _new_context(server).json()["id"]
+        for context_id in (created, "ctx-0123456789abcdef0123456789abcdef"):
+            reply = client.chat.completions.create(
+                model=NAME,
+                messages=[{"role": "user", "content": QUESTION}],
+                max_tokens=40,
+                extra_body={"context_id": context_id},
+            )
+            assert reply.choices[0].message.content == expected
+    finally:
+        server.stop()
+
+
 def test_question_ids_continue_the_document_as_one_prompt(tiny) -> None:
     """Document then question ids are the prompt the two would make together (no template here: plain text)."""
     _, tokenizer = tiny

@@ -120,6 +120,11 @@ def ask(
     model: Annotated[str | None, typer.Option(help="Default: the model the file was compressed with.")] = None,
     dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
+    cap: Annotated[
+        int | None,
+        typer.Option(help="With --compress-every: entries per KV head (default: the file's budget, if a count)."),
+    ] = None,
+    compress_every: CompressEveryOption = None,
 ) -> None:
     """Answer questions from a saved compressed context (the question is appended uncompressed)."""
     from criticalkv.serve.offline import ask_file
@@ -129,7 +134,8 @@ def ask(
 
     try:
         at_least(max_new_tokens, 1, "--max-new-tokens")
-        answers = ask_file(path, question, max_new_tokens, emit if stream else None, model, dtype, device)
+        decoding = {k: v for k, v in (("cap", cap), ("compress_every", compress_every)) if v is not None}
+        answers = ask_file(path, question, max_new_tokens, emit if stream else None, model, dtype, device, decoding)
     except CriticalKVError as error:
         print_error(console, error)
         raise typer.Exit(2) from None
@@ -162,12 +168,13 @@ def serve(
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
     chunk_size: ChunkSizeOption = None,
     cap: CapOption = None,
+    compress_every: CompressEveryOption = None,
 ) -> None:
     """An OpenAI-compatible server over stored compressed contexts (docs/serving.md)."""
     from criticalkv.serve.server import serve as run_server
 
     try:
-        bounded = Bounded(chunk_size, cap)
+        bounded = Bounded(chunk_size, cap, compress_every)
         (kept,) = bounded.budgets([Budget.parse(budget)])
         run_server(
             model,

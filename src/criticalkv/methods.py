@@ -258,3 +258,32 @@ def build_method(name: str, **options: object) -> Method | None:
             except (TypeError, ValueError, CriticalKVError) as error:
                 raise MethodOptionError(f"method {name!r}, option {key}={value!r}: {error}") from error
     return Method(pieces["scorer"], pieces["allocator"], pieces["selector"], name=spec)
+
+
+def method_spec(method: Method) -> str | None:
+    """The spec that builds ``method`` again: its name's preset with an option for every field where its pieces
+    differ from the preset's (keyword options given to ``build_method`` are not in its name). None when none does:
+    a method of no preset, or one whose differences no option string can say (an object, one key set apart on two
+    pieces)."""
+    name, _ = parse_method_spec(method.name)
+    preset = PRESETS.get(name)
+    if preset is None or preset.build is None:
+        return None
+    options: dict[str, object] = {}
+    for mine, theirs in zip(method.pieces, preset.build().pieces, strict=True):
+        if type(mine) is not type(theirs):
+            return None
+        for field in dataclasses.fields(mine):
+            value = getattr(mine, field.name)
+            if repr(value) == repr(getattr(theirs, field.name)):
+                continue
+            if not isinstance(value, bool | int | float | str):
+                return None
+            options[field.name] = value
+    written = {k: str(v).lower() if isinstance(v, bool) else v for k, v in sorted(options.items())}
+    spec = name + (":" + ";".join(f"{k}={v}" for k, v in written.items()) if written else "")
+    try:
+        rebuilt = build_method(spec)
+    except CriticalKVError:
+        return None
+    return spec if repr(rebuilt.pieces) == repr(method.pieces) else None

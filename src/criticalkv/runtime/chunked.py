@@ -21,7 +21,7 @@ from criticalkv.cache.compressed_layer import CompressedLayer
 from criticalkv.core.positions import forward_on_cache
 from criticalkv.errors import BoundedMemoryError
 from criticalkv.runtime.compressor import Compressor
-from criticalkv.runtime.rolling import Rolling
+from criticalkv.runtime.rolling import Rolling, check_rolling_method
 
 
 def rolling_budget(
@@ -60,6 +60,16 @@ def rolling_budget(
         cap = int(budget.value)
     rolling = Rolling(cap, chunk_size, compress_every)
     return rolling.budget, rolling
+
+
+def schedule_decoding(compressor: Compressor, budget: Budget, cap: int | None, compress_every: int) -> None:
+    """Make a compressor whose context is compressed already (a loaded session's) compress its answers back to
+    ``cap`` entries per KV head every ``compress_every`` generated tokens; without ``cap``, ``budget`` (the
+    context's) when it is an entry count. Until the answer has given the window its queries, nothing is compressed
+    (the context's own last queries are not stored)."""
+    _, rolling = rolling_budget(compressor.method, budget if cap is None else Budget(cap), None, cap, compress_every)
+    check_rolling_method(compressor.method)
+    compressor.rolling = rolling
 
 
 def prefill_in_chunks(

@@ -21,10 +21,11 @@ from transformers.cache_utils import Cache
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer
-from criticalkv.errors import CacheStateError, StoredContextError
+from criticalkv.errors import BoundedMemoryError, CacheStateError, StoredContextError
 from criticalkv.files import write_atomic
-from criticalkv.methods import PRESETS, build_method, parse_method_spec
+from criticalkv.methods import PRESETS, build_method, method_spec, parse_method_spec
 from criticalkv.runtime.api import make_compressor
+from criticalkv.runtime.chunked import schedule_decoding
 from criticalkv.runtime.compressor import Compressor
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.session import ContextSession
@@ -86,6 +87,13 @@ def _cache_tensors(cache: Cache) -> tuple[dict[str, torch.Tensor], list[dict[str
     return tensors, counts
 
 
+def _method_header(method: Method) -> dict[str, object]:
+    """The method's spec (the options given as keywords included) and description; ``exact``: whether the spec
+    builds the same method again (a method that compresses again after loading, while decoding, needs it)."""
+    spec = method_spec(method)
+    return {"spec": spec or method.name, "description": repr(method), "exact": spec is not None}
+
+
 def _header(compressor: Compressor | None, model: PreTrainedModel, kind: str, **extra: object) -> dict[str, object]:
     if compressor is None:
         raise CacheStateError("a cache without its compressor cannot say which method and budget made it")
@@ -97,7 +105,7 @@ def _header(compressor: Compressor | None, model: PreTrainedModel, kind: str, **
         "kind": kind,
         "model": model_fingerprint(model),
         "dtype": str(model_dtype(model)).removeprefix("torch."),
-        "method": {"spec": compressor.method.name, "description": repr(compressor.method)},
+        "method": _method_header(compressor.method),
         "budget": compressor.budget.value,
         **extra,
     }
@@ -224,13 +232,33 @@ def save_session(session: ContextSession, path: str | os.PathLike, model_source:
     return _write(path, tensors, header)
 
 
-def load_session(path: str | os.PathLike, model: PreTrainedModel, method: str | Method | None = None) -> ContextSession:
-    """A session ``save_session`` wrote, ready to ``ask`` (``ContextSession.load``)."""
+def load_session(
+    path: str | os.PathLike,
+    model: PreTrainedModel,
+    method: str | Method | None = None,
+    *,
+    cap: int | None = None,
+    compress_every: int | None = None,
+) -> ContextSession:
+    """A session ``save_session`` wrote, ready to ``ask`` (``ContextSession.load``); with ``compress_every``, its
+    answers are compressed back to ``cap`` while decoding (``schedule_decoding``)."""
     header, tensors = read_tensors(path, model)
     if header.get("kind") != "session":
         raise StoredContextError(f"{path} holds a bare cache, not a session: load it with CompressedCache.load")
+    if cap is not None and compress_every is None:
+        raise BoundedMemoryError(
+            "a loaded session's cap applies with compress_every: its context is compressed already"
+        )
     mask, last = tensors.pop("session.mask"), tensors.pop("session.last_logits")
+    if compress_every is not None and method is None and not header["method"].get("exact", False):
+        raise StoredContextError(
+            f"{path}: its method {header['method']['description']} is not what its spec "
+            f"{header['method']['spec']!r} builds, and compressing while decoding would run the spec's: pass "
+            "method= (the Method it was compressed with)"
+        )
     cache = build_cache(header, tensors, model, method)
+    if compress_every is not None:
+        schedule_decoding(cache.compressor, Budget.parse(header["budget"]), cap, compress_every)
     session = ContextSession.from_cache(model, cache.compressor, cache, mask, last)
     session.context_digest = header["context"]["sha256"]
     return session

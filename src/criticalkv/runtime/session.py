@@ -202,14 +202,23 @@ class ContextSession:
 
     @classmethod
     def load(
-        cls, path: str | os.PathLike, model: PreTrainedModel, method: str | Method | None = None
+        cls,
+        path: str | os.PathLike,
+        model: PreTrainedModel,
+        method: str | Method | None = None,
+        *,
+        cap: int | None = None,
+        compress_every: int | None = None,
     ) -> ContextSession:
         """A session ``save`` wrote, ready to ``ask``, on ``model`` (the one it was saved from: its config, weights
         and dtype are checked, else ``StoredContextError``). ``method``: only for a file whose method is not a
-        preset (a custom ``Method``); it is not run again, the context stays as it was compressed."""
+        preset (a custom ``Method``); it is not run again, the context stays as it was compressed.
+        ``compress_every``, ``cap``: compress each answer back to ``cap`` entries per KV head every
+        ``compress_every`` generated tokens, with the file's method (on a copy of the context, as for a session
+        made with them); ``cap`` defaults to the file's budget when that is an entry count."""
         from criticalkv.runtime.persist import load_session
 
-        return load_session(path, model, method)
+        return load_session(path, model, method, cap=cap, compress_every=compress_every)
 
     @classmethod
     def stacked(cls, sessions: list[ContextSession]) -> ContextSession:

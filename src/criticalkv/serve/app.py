@@ -105,8 +105,10 @@ class ServerSettings:
     method, budget, options
         How documents (and conversations without a stored context) are compressed.
     bounded
-        ``chunk_size`` and ``cap`` (``ContextSession``'s): documents and conversations are prefilled in chunks and
-        compressed back to the cap after each, so a long one holds bounded memory (empty: one forward).
+        ``chunk_size``, ``cap`` and ``compress_every`` (``ContextSession``'s): documents and conversations are
+        prefilled in chunks and compressed back to the cap after each, and answers are compressed back to it every
+        ``compress_every`` tokens, so long ones hold bounded memory (empty: neither; the store's ``decoding`` is
+        what contexts loaded from their files follow).
     max_document_tokens
         Longer documents are refused with 413.
     default_max_tokens

@@ -57,9 +57,11 @@ def ask_file(
     model_name: str | None = None,
     dtype: str = "auto",
     device: str = "auto",
+    decoding: dict[str, int] | None = None,
 ) -> list[str]:
     """Answer each question from the context saved at ``path``; the answers. ``emit``: called with each piece of
-    text as it is generated (streaming). ``model_name``: default, the model the file was compressed with."""
+    text as it is generated (streaming). ``model_name``: default, the model the file was compressed with.
+    ``decoding``: ``cap`` and ``compress_every`` (``ContextSession.load``), answers compressed while decoding."""
     if not questions:
         raise CriticalKVError("ask needs at least one --question")
     if not path.is_file():
@@ -68,7 +70,7 @@ def ask_file(
     if source is None:
         raise CriticalKVError(f"{path} does not name its model: pass --model")
     model, tokenizer = launch.load_model(source, dtype=dtype, device=device)
-    session = ContextSession.load(path, model)
+    session = ContextSession.load(path, model, **(decoding or {}))
     device_ = next(model.parameters()).device
     answers = []
     for question in questions:

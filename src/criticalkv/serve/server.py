@@ -23,6 +23,14 @@ def default_store() -> Path:
     return cache_root() / "contexts"
 
 
+def decoding_of(bounded: dict[str, int]) -> dict[str, int]:
+    """The part of a bounded-memory schedule that a loaded context follows: ``cap`` and ``compress_every``, with
+    ``compress_every`` only (a context's prefill is over)."""
+    if "compress_every" not in bounded:
+        return {}
+    return {key: bounded[key] for key in ("cap", "compress_every") if key in bounded}
+
+
 def serve(
     model_name: str,
     method: str,
@@ -40,8 +48,8 @@ def serve(
     max_batch: int = 8,
     bounded: dict[str, int] | None = None,
 ) -> None:
-    """Serve until stopped; ``batch_window`` in seconds, ``bounded`` a chunked prefill's ``chunk_size`` and ``cap``
-    (``ServerSettings``)."""
+    """Serve until stopped; ``batch_window`` in seconds, ``bounded`` the ``chunk_size``, ``cap`` and
+    ``compress_every`` of ``ContextSession`` (``ServerSettings``; loaded contexts follow the last two)."""
     options = options or {}
     parsed = Budget.parse(budget)
     if build_method(method, **options) is None or parsed.keeps_everything:
@@ -55,7 +63,7 @@ def serve(
         model=model,
         tokenizer=tokenizer,
         model_name=model_name,
-        store=ContextStore(model, store or default_store(), int(max_memory_mib * MIB)),
+        store=ContextStore(model, store or default_store(), int(max_memory_mib * MIB), decoding_of(bounded or {})),
         method=method,
         budget=parsed,
         options=options,

@@ -48,10 +48,16 @@ class ContextStore:
     max_bytes
         The memory bound: after an insertion or a load, least recently used contexts leave memory until the held
         bytes fit (the one just used always stays, even alone over the bound).
+    decoding
+        ``cap`` and ``compress_every`` of the contexts loaded from their files (``ContextSession.load``): their
+        answers are compressed back to the cap while decoding (empty: never).
     """
 
-    def __init__(self, model: PreTrainedModel, folder: Path, max_bytes: int) -> None:
+    def __init__(
+        self, model: PreTrainedModel, folder: Path, max_bytes: int, decoding: dict[str, int] | None = None
+    ) -> None:
         self.model, self.folder, self.max_bytes = model, Path(folder), max_bytes
+        self.decoding = decoding or {}
         self.folder.mkdir(parents=True, exist_ok=True)
         self._held: OrderedDict[str, ContextSession] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # guards _held (the model worker and the event loop both read it)
@@ -87,7 +93,7 @@ class ContextStore:
         if not path.is_file():
             raise UnknownContextError(context_id)
         self._checked_header(context_id, path)  # refused with the context's id, not the server's paths
-        session = ContextSession.load(path, self.model)
+        session = ContextSession.load(path, self.model, **self.decoding)
         with self._lock:
             self._held[context_id] = session
             self._evict(keep=context_id)
