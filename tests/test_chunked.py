@@ -246,8 +246,10 @@ def test_run_prefills_in_chunks_and_compresses_while_answering(short_model, tmp_
     [
         (["run", "--chunk-size", "16"], "fraction"),
         (["run", "--cap", "16"], "cap applies"),
-        (["eval", "ruler", "--chunk-size", "16"], "counts"),
-        (["eval", "needle", "--chunk-size", "16", "--cap", "8", "--budgets", "512"], "--cap is the sweep"),
+        (["eval", "ruler", "--chunk-size", "16"], "budget as a count"),
+        (["eval", "needle", "--chunk-size", "16", "--cap", "8", "--budgets", "512"], "--cap is the one budget"),
+        (["compress", "--chunk-size", "16", "--context-file", "x", "--out", "y"], "give --cap"),
+        (["serve", "--compress-every", "16"], "give --cap"),
     ],
 )
 def test_the_commands_refuse_what_cannot_be_bounded(short_model, args, words):

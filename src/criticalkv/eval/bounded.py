@@ -1,5 +1,6 @@
-"""The bounded-memory options of the commands (``run`` and the ``eval`` sweeps): chunked prefill with a cap, and
-compression while decoding (``criticalkv.compress(..., chunk_size=, cap=, compress_every=)``)."""
+"""The bounded-memory options of the commands (``run``, ``compress``, ``ask``, ``serve`` and the ``eval`` sweeps):
+chunked prefill with a cap, and compression while decoding (``criticalkv.compress(..., chunk_size=, cap=,
+compress_every=)``)."""
 
 from __future__ import annotations
 
@@ -77,12 +78,12 @@ class Bounded(NamedTuple):
                 b.is_fraction and not b.keeps_everything for b in budgets
             ):
                 raise BoundedMemoryError(
-                    "--chunk-size and --compress-every compress to an entry count per KV head: give --cap, or "
-                    "--budgets as counts (1024), not fractions of a prompt no chunk holds whole"
+                    "--chunk-size and --compress-every compress to an entry count per KV head: give --cap, or the "
+                    "budget as a count (1024), not a fraction of a prompt no chunk holds whole"
                 )
             return budgets
         if any(b != Budget(self.cap) for b in budgets if b != Budget(0.2)):
-            raise BoundedMemoryError("--cap is the sweep's one budget: give it alone, or give --budgets as counts")
+            raise BoundedMemoryError("--cap is the one budget: give it alone, or give the budget as a count")
         return [Budget(self.cap)]
 
     @property
