@@ -15,6 +15,7 @@ from test_runtime import _ids, _model
 
 from criticalkv import Method
 from criticalkv.errors import CacheStateError, StoredContextError
+from criticalkv.methods import build_method
 from criticalkv.runtime import persist
 from criticalkv.runtime.session import ContextSession
 from criticalkv.scorers import SnapKVScorer
@@ -185,18 +186,20 @@ def test_the_header_says_what_the_file_holds(saved: Path) -> None:
     assert header["model"] == persist.model_fingerprint(_model("llama"))
 
 
-def test_the_header_spec_holds_the_keyword_options_and_says_whether_it_is_exact(tmp_path: Path) -> None:
+def test_the_header_spec_holds_the_keyword_options_and_builds_what_it_describes(tmp_path: Path) -> None:
     model = _model("llama")
     made = ContextSession(model, "critical-snapkv", 12, window=8, alpha=0.25)
     made.prefill(_ids(40, seed=4))
     made.save(tmp_path / "options.safetensors")
     header = persist.read_header(tmp_path / "options.safetensors")["method"]
-    assert header["spec"] == "critical-snapkv:alpha=0.25;window=8" and header["exact"]
+    assert header["spec"] == "critical-snapkv:alpha=0.25;window=8"
+    assert header["description"] == repr(build_method(header["spec"]))  # the spec builds what the file describes
     custom = Method(SnapKVScorer(window=8), selector=CriticalSelector(window=8))
     made = ContextSession(model, custom, 12)
     made.prefill(_ids(40, seed=4))
     made.save(tmp_path / "custom.safetensors")
-    assert not persist.read_header(tmp_path / "custom.safetensors")["method"]["exact"]
+    header = persist.read_header(tmp_path / "custom.safetensors")["method"]
+    assert header["spec"] == "custom" and header["description"] == repr(custom)
     with pytest.raises(StoredContextError, match="pass method="):
         ContextSession.load(tmp_path / "custom.safetensors", model, compress_every=4)
     loaded = ContextSession.load(tmp_path / "custom.safetensors", model, custom, compress_every=4)

@@ -134,7 +134,7 @@ def ask(
 
     try:
         at_least(max_new_tokens, 1, "--max-new-tokens")
-        decoding = {k: v for k, v in (("cap", cap), ("compress_every", compress_every)) if v is not None}
+        decoding = Bounded(cap=cap, compress_every=compress_every).options
         answers = ask_file(path, question, max_new_tokens, emit if stream else None, model, dtype, device, decoding)
     except CriticalKVError as error:
         print_error(console, error)

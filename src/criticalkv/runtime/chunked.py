@@ -150,13 +150,13 @@ def generate_in_chunks(compressor: Compressor, generate: Callable, args: tuple, 
         )
     given = kwargs.pop("cache", None)
     given = kwargs.pop("past_key_values", None) if given is None else given
-    if given is not None and not isinstance(given, CompressedCache) and given.get_seq_length() == 0:
-        given = None  # an empty cache of the user's: the prefill fills a compressed one (the guard warned)
     if given is not None and not isinstance(given, CompressedCache):
-        raise BoundedMemoryError(
-            f"chunk_size continues only a compressed cache (an earlier generate's past_key_values in this block), "
-            f"not a {type(given).__name__}: its tokens were prefilled unbounded"
-        )
+        if given.get_seq_length() > 0:
+            raise BoundedMemoryError(
+                f"chunk_size continues only a compressed cache (an earlier generate's past_key_values in this "
+                f"block), not a {type(given).__name__}: its tokens were prefilled unbounded"
+            )
+        given = None  # an empty cache of the user's: the prefill fills a compressed one (the guard warned)
     mask = kwargs.pop("attention_mask", None)
     mask = torch.ones_like(ids) if mask is None else mask
     cache = compressor.new_cache() if given is None else given

@@ -8,6 +8,7 @@ disk, then renamed over the target, so a crash leaves either the old file or the
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,7 +22,7 @@ from transformers.cache_utils import Cache
 
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedCache, CompressedLayer
-from criticalkv.errors import BoundedMemoryError, CacheStateError, StoredContextError
+from criticalkv.errors import BoundedMemoryError, CacheStateError, CriticalKVError, StoredContextError
 from criticalkv.files import write_atomic
 from criticalkv.methods import PRESETS, build_method, method_spec, parse_method_spec
 from criticalkv.runtime.api import make_compressor
@@ -88,10 +89,20 @@ def _cache_tensors(cache: Cache) -> tuple[dict[str, torch.Tensor], list[dict[str
 
 
 def _method_header(method: Method) -> dict[str, object]:
-    """The method's spec (the options given as keywords included) and description; ``exact``: whether the spec
-    builds the same method again (a method that compresses again after loading, while decoding, needs it)."""
+    """The method's spec (the options given as keywords included) and description, named by that spec when it
+    builds the method again: then the description is ``repr(build_method(spec))`` (``_spec_rebuilds``)."""
     spec = method_spec(method)
-    return {"spec": spec or method.name, "description": repr(method), "exact": spec is not None}
+    described = method if spec is None else dataclasses.replace(method, name=spec)
+    return {"spec": spec or method.name, "description": repr(described)}
+
+
+def _spec_rebuilds(header: dict[str, object]) -> bool:
+    """Whether the file's spec builds the method its description names (a file made with a method of the user's
+    own, or before keyword options were written into the spec, may say otherwise)."""
+    try:
+        return repr(build_method(header["method"]["spec"])) == header["method"]["description"]
+    except CriticalKVError:
+        return False
 
 
 def _header(compressor: Compressor | None, model: PreTrainedModel, kind: str, **extra: object) -> dict[str, object]:
@@ -250,7 +261,7 @@ def load_session(
             "a loaded session's cap applies with compress_every: its context is compressed already"
         )
     mask, last = tensors.pop("session.mask"), tensors.pop("session.last_logits")
-    if compress_every is not None and method is None and not header["method"].get("exact", False):
+    if compress_every is not None and method is None and not _spec_rebuilds(header):
         raise StoredContextError(
             f"{path}: its method {header['method']['description']} is not what its spec "
             f"{header['method']['spec']!r} builds, and compressing while decoding would run the spec's: pass "

@@ -170,9 +170,8 @@ def design_rows(sample: LayerSample) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows the fit reads: features with a trailing 1 (h_kv, n, F+1) float64, log-scores (h_kv, n) float64."""
     free = ~sample.protected  # (t,)
     valid = torch.ones(1, sample.keys.shape[1], dtype=torch.bool)  # one window, no padding
-    features = surrogate_features(sample.keys[None], sample.values[None], place_features(valid))[0][
-        :, free
-    ]  # (h_kv, n, F)
+    place = place_features(valid)  # (1, t, 3)
+    features = surrogate_features(sample.keys[None], sample.values[None], place)[0][:, free]  # (h_kv, n, F)
     ones = features.new_ones(*features.shape[:2], 1)
     target = sample.scores[:, free].clamp(min=SCORE_FLOOR).log()
     return torch.cat([features, ones], dim=-1).double(), target.double()
