@@ -250,6 +250,7 @@ def test_run_prefills_in_chunks_and_compresses_while_answering(short_model, tmp_
         (["eval", "needle", "--chunk-size", "16", "--cap", "8", "--budgets", "512"], "--cap is the one budget"),
         (["compress", "--chunk-size", "16", "--context-file", "x", "--out", "y"], "give --cap"),
         (["serve", "--compress-every", "16"], "give --cap"),
+        (["serve", "--guide-chunks", "--cap", "16"], "give --chunk-size"),
     ],
 )
 def test_the_commands_refuse_what_cannot_be_bounded(short_model, args, words):

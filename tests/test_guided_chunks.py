@@ -14,9 +14,12 @@ from test_chunked import _layers, _method, _options
 from test_runtime import _ids, _left_padded, _model
 from typer.testing import CliRunner
 
+from criticalkv.budget import Budget
 from criticalkv.cli import app
 from criticalkv.errors import BoundedMemoryError
 from criticalkv.runtime.session import ContextSession
+from criticalkv.serve.app import ServerSettings
+from criticalkv.serve.store import ContextStore
 
 
 def _tracked(model, monkeypatch, session: ContextSession, *args, **kwargs) -> Tracker:
@@ -108,6 +111,17 @@ def test_a_guide_that_cannot_apply_is_refused(kwargs, guide, words):
     session = ContextSession(_model("llama"), "snapkv", window=4, **kwargs)
     with pytest.raises(BoundedMemoryError, match=words.replace("(", r"\(").replace(")", r"\)")):
         session.prefill(_ids(30, seed=2), guide_ids=guide)
+
+
+def test_a_guide_is_refused_where_sliding_window_layers_would_keep_it(tmp_path):
+    """By a session's prefill, and by a server's settings before it serves."""
+    model = _model("gemma3")
+    session = ContextSession(model, "snapkv", window=4, chunk_size=10, cap=12)
+    with pytest.raises(BoundedMemoryError, match="sliding-window layers would keep"):
+        session.prefill(_ids(30, seed=2), guide_ids=_ids(4, seed=1))
+    store, bounded = ContextStore(model, tmp_path, max_bytes=1 << 20), {"chunk_size": 10, "cap": 12}
+    with pytest.raises(BoundedMemoryError, match="sliding-window layers would keep"):
+        ServerSettings(model, None, "tiny", store, "snapkv", Budget(12), bounded=bounded, guide_chunks=True)
 
 
 @pytest.mark.parametrize(

@@ -20,11 +20,12 @@ from typer.testing import CliRunner
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedLayer
 from criticalkv.cli import app as cli_app
+from criticalkv.errors import BoundedMemoryError
 from criticalkv.models import load_model
 from criticalkv.runtime.persist import load_session
 from criticalkv.runtime.session import ContextSession
-from criticalkv.serve.app import ServerSettings, create_app
-from criticalkv.serve.prompts import document_ids, question_ids
+from criticalkv.serve.app import ChatRequest, ServerSettings, _prepare, create_app
+from criticalkv.serve.prompts import chat_ids, document_ids, question_ids
 from criticalkv.serve.store import ContextStore
 
 DOCUMENT = "The quick brown fox jumps over the lazy dog. " * 12 + "What is the special magic number? " * 3
@@ -332,6 +333,33 @@ def test_the_server_prefills_documents_in_chunks(tiny, tmp_path: Path) -> None:
         assert reply.choices[0].message.content == tokenizer.decode(tokens[0], skip_special_tokens=True)
     finally:
         server.stop()
+
+
+def test_the_server_guides_a_conversations_chunks_by_its_last_window(tiny, tmp_path: Path) -> None:
+    """A conversation without a stored context, prefilled in chunks under ``guide_chunks``: its cache holds the
+    entries of a session guided by the conversation's last 8 tokens (the method's window), which differ from the
+    unguided chunks', and the server answers as that session."""
+    model, tokenizer = tiny
+    store = ContextStore(model, tmp_path / "store", max_bytes=1 << 30)
+    settings = ServerSettings(model, tokenizer, NAME, store, METHOD, Budget(24), bounded=CHUNKED, guide_chunks=True)
+    messages = [{"role": "user", "content": DOCUMENT + QUESTION}]
+    ids = chat_ids(tokenizer, messages)  # (1, t), t over 4 chunks
+    guided, unguided = (ContextSession(model, METHOD, Budget(24), **CHUNKED) for _ in range(2))
+    guided.prefill(ids, guide_ids=ids[:, -8:])
+    unguided.prefill(ids)
+    assert not all(torch.equal(a, b) for a, b in zip(_keys(guided), _keys(unguided), strict=True))
+    prepared = _prepare(settings, ChatRequest(model=NAME, messages=messages))
+    assert all(torch.equal(a, b) for a, b in zip(_keys(prepared), _keys(guided), strict=True))
+    server = Server(create_app(settings))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6)
+        tokens = guided.ask(None, max_new_tokens=6).tokens
+        assert reply.choices[0].message.content == tokenizer.decode(tokens[0], skip_special_tokens=True)
+    finally:
+        server.stop()
+    with pytest.raises(BoundedMemoryError, match="give a chunk_size"):
+        ServerSettings(model, tokenizer, NAME, store, METHOD, Budget(24), guide_chunks=True)
 
 
 def test_answers_from_a_stored_context_compress_while_decoding(

@@ -169,12 +169,20 @@ def serve(
     chunk_size: ChunkSizeOption = None,
     cap: CapOption = None,
     compress_every: CompressEveryOption = None,
+    guide_chunks: Annotated[
+        bool,
+        typer.Option(
+            help="Conversations prefilled in chunks: every chunk but the last is scored by the conversation's last "
+            "window of tokens (its question), run after it and never kept (docs/serving.md)."
+        ),
+    ] = False,
 ) -> None:
     """An OpenAI-compatible server over stored compressed contexts (docs/serving.md)."""
     from criticalkv.serve.server import serve as run_server
 
     try:
-        bounded = Bounded(chunk_size, cap, compress_every)
+        bounded = Bounded(chunk_size, cap, compress_every, guide_chunks)
+        bounded.check_guide("aware")  # a conversation holds its question
         (kept,) = bounded.budgets([Budget.parse(budget)])
         run_server(
             model,
@@ -192,6 +200,7 @@ def serve(
             batch_window_ms / 1000,
             max_batch,
             bounded.options,
+            guide_chunks,
         )
     except CriticalKVError as error:
         print_error(console, error)

@@ -115,13 +115,18 @@ def prefill_in_chunks(
 
 
 def _check_guide(cache: Cache, guide_ids: torch.Tensor, batch: int) -> None:
-    """Refuse a guide that is not (b, g) token ids of the prompt's batch, or a cache whose layers are not all
-    compressed ones (a sliding-window layer would keep the guide's entries)."""
+    """Refuse a guide that is not (b, g) token ids of the prompt's batch, or a cache ``check_guidable`` refuses."""
     if guide_ids.dim() != 2 or guide_ids.shape[0] != batch or guide_ids.shape[1] == 0:
         raise BoundedMemoryError(
             f"guide_ids must be (batch, g) token ids with g >= 1 and the prompt's batch {batch}, "
             f"got {tuple(guide_ids.shape)}"
         )
+    check_guidable(cache)
+
+
+def check_guidable(cache: Cache) -> None:
+    """Refuse a cache whose layers are not all compressed ones: a sliding-window layer would keep a guide's
+    entries."""
     if any(not isinstance(layer, CompressedLayer) for layer in cache.layers):
         raise BoundedMemoryError(
             "a guided chunked prefill needs every layer compressible: this model's sliding-window layers would keep "

@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from criticalkv.budget import Budget
-from criticalkv.errors import CriticalKVError, StoredContextError
+from criticalkv.errors import BoundedMemoryError, CriticalKVError, StoredContextError
+from criticalkv.runtime.chunked import check_guidable
 from criticalkv.runtime.session import ContextSession
 from criticalkv.serve.batching import Batcher
 from criticalkv.serve.decode import Answer, Row, answer_rows
@@ -109,6 +110,11 @@ class ServerSettings:
         prefilled in chunks and compressed back to the cap after each, and answers are compressed back to it every
         ``compress_every`` tokens, so long ones hold bounded memory (empty: neither; the store's ``decoding`` is
         what contexts loaded from their files follow).
+    guide_chunks
+        With ``bounded``'s ``chunk_size``: a conversation without a stored context is prefilled with its last
+        window of tokens (the method's ``query_rows``, where its question is, the queries one-shot compression
+        scores with) as every chunk's guide (``ContextSession.prefill``'s ``guide_ids``). Documents have no
+        question: they are prefilled unguided.
     max_document_tokens
         Longer documents are refused with 413.
     default_max_tokens
@@ -131,6 +137,13 @@ class ServerSettings:
     default_max_tokens: int = 128
     batch_window: float = 0.01
     max_batch: int = 8
+    guide_chunks: bool = False
+
+    def __post_init__(self) -> None:
+        if self.guide_chunks:
+            if "chunk_size" not in self.bounded:
+                raise BoundedMemoryError("guide_chunks scores the chunks of a chunked prefill: give a chunk_size")
+            check_guidable(_new_session(self).compressor.new_cache())
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
@@ -362,8 +375,11 @@ def _prepare(settings: ServerSettings, body: ChatRequest) -> ContextSession:
             413, f"the conversation is {ids.shape[1]} tokens, over the limit of {settings.max_document_tokens}"
         )
     session = _new_session(settings)
+    ids = ids.to(next(settings.model.parameters()).device)
+    # (1, w): the last window, whose queries score every chunk but the last
+    guide = ids[:, -session.compressor.method.query_rows :] if settings.guide_chunks else None
     try:
-        session.prefill(ids.to(next(settings.model.parameters()).device))
+        session.prefill(ids, guide_ids=guide)
     except CriticalKVError as error:
         raise HTTPFailure(422, str(error)) from None
     return session

@@ -47,9 +47,11 @@ def serve(
     batch_window: float = 0.01,
     max_batch: int = 8,
     bounded: dict[str, int] | None = None,
+    guide_chunks: bool = False,
 ) -> None:
     """Serve until stopped; ``batch_window`` in seconds, ``bounded`` the ``chunk_size``, ``cap`` and
-    ``compress_every`` of ``ContextSession`` (``ServerSettings``; loaded contexts follow the last two)."""
+    ``compress_every`` of ``ContextSession`` (``ServerSettings``; loaded contexts follow the last two),
+    ``guide_chunks`` ``ServerSettings``'."""
     options = options or {}
     parsed = Budget.parse(budget)
     if build_method(method, **options) is None or parsed.keeps_everything:
@@ -72,5 +74,6 @@ def serve(
         default_max_tokens=max_tokens,
         batch_window=batch_window,
         max_batch=max_batch,
+        guide_chunks=guide_chunks,
     )
     uvicorn.run(create_app(settings), host=host, port=port)
