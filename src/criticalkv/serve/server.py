@@ -50,8 +50,8 @@ def serve(
     guide_chunks: bool = False,
 ) -> None:
     """Serve until stopped; ``batch_window`` in seconds, ``bounded`` the ``chunk_size``, ``cap`` and
-    ``compress_every`` of ``ContextSession`` (``ServerSettings``; loaded contexts follow the last two),
-    ``guide_chunks`` ``ServerSettings``'."""
+    ``compress_every`` of ``ContextSession`` (``ServerSettings``; loaded contexts follow the last two), and
+    ``guide_chunks`` that of ``ServerSettings``."""
     options = options or {}
     parsed = Budget.parse(budget)
     if build_method(method, **options) is None or parsed.keeps_everything:
