@@ -54,6 +54,8 @@ def test_the_method_states_its_window() -> None:
         ("snapkv:window=8", {"kernel": 3}, "snapkv:kernel=3;window=8"),
         ("layer-reconstruct", {"softmax": "chunk"}, "layer-reconstruct:softmax=chunk"),
         ("critical-adakv", {"screen": False}, "critical-adakv:screen=false"),
+        ("layer-surrogate", {}, "layer-surrogate"),  # its maps, attached per model, are no option
+        ("critical-surrogate", {"sinks": 2}, "critical-surrogate:sinks=2"),
     ],
 )
 def test_a_methods_spec_builds_it_again_with_its_keyword_options(name, options, spec) -> None:

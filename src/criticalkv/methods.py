@@ -274,6 +274,8 @@ def method_spec(method: Method) -> str | None:
         if type(mine) is not type(theirs):
             return None
         for field in dataclasses.fields(mine):
+            if not field.init:  # state the piece makes for itself (a scorer's maps per model), not an option
+                continue
             value = getattr(mine, field.name)
             if repr(value) == repr(getattr(theirs, field.name)):
                 continue
