@@ -24,14 +24,8 @@ def held_entries(layer: CompressedLayer) -> tuple[torch.Tensor, torch.Tensor, to
     b, h, tail, d = tail_keys.shape
     if not layer.is_compressed:
         return tail_keys, tail_values, torch.ones(b, h, tail, dtype=torch.bool, device=tail_keys.device)
-    counts = layer.lengths  # (b, h_kv)
-    width = int(counts.max()) if counts.numel() else 0
-    column = torch.arange(width, device=counts.device)  # (L,)
-    start = width - counts[..., None]  # (b, h_kv, 1): first held column of each segment
-    held_context = column >= start  # (b, h_kv, L)
-    # flat row of each held column: the segment's offset plus its index among the segment's entries
-    rows = layer.offsets()[:-1].view(b, h, 1) + (column - start)  # (b, h_kv, L)
-    rows = rows.masked_fill(~held_context, 0)
+    rows, held_context = _context_rows(layer)  # (b, h_kv, L) each
+    width = rows.shape[-1]
     keys, values = [], []
     for flat, tail_part in ((layer.context_keys, tail_keys), (layer.context_values, tail_values)):
         if flat.shape[0] == 0:  # nothing kept: zeros under the padding flags
@@ -42,6 +36,30 @@ def held_entries(layer: CompressedLayer) -> tuple[torch.Tensor, torch.Tensor, to
         (keys if tail_part is tail_keys else values).append(torch.cat([context, tail_part], dim=2))
     held = torch.cat([held_context, held_context.new_ones(b, h, tail)], dim=2)  # (b, h_kv, L + tail)
     return keys[0], values[0], held
+
+
+def held_places(layer: CompressedLayer, context: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """(b, h_kv, T) long, laid out as ``held_entries``' block: a compressed layer's per-entry values ``context`` (N,)
+    (in storage order, like its keys) and the tail's ``tail`` (b, tail), the same for every head; 0 on padding."""
+    rows, held_context = _context_rows(layer)  # (b, h_kv, L) each
+    b, h, _ = rows.shape
+    placed = context[rows.flatten()].view(b, h, -1) if context.numel() else rows.new_zeros(b, h, rows.shape[-1])
+    placed = placed.masked_fill(~held_context, 0)
+    return torch.cat([placed, tail[:, None, :].expand(-1, h, -1).to(placed.dtype)], dim=2)
+
+
+def _context_rows(layer: CompressedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each right-aligned column's row in the flat context storage (0 on padding) and whether the column holds an
+    entry, (b, h_kv, L) each, L = the longest segment's count."""
+    counts = layer.lengths  # (b, h_kv)
+    b, h = counts.shape
+    width = int(counts.max()) if counts.numel() else 0
+    column = torch.arange(width, device=counts.device)  # (L,)
+    start = width - counts[..., None]  # (b, h_kv, 1): first held column of each segment
+    held_context = column >= start  # (b, h_kv, L)
+    # flat row of each held column: the segment's offset plus its index among the segment's entries
+    rows = layer.offsets()[:-1].view(b, h, 1) + (column - start)  # (b, h_kv, L)
+    return rows.masked_fill(~held_context, 0), held_context
 
 
 def refill(layer: CompressedLayer, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor) -> None:

@@ -45,6 +45,11 @@ class LayerView:
     # budgets: ``runtime.rolling``): the positions each head really holds, the others being padding of that head.
     # None: every head holds every ``valid`` position.
     held: torch.Tensor | None = field(default=None, repr=False)
+    # (b, h_kv, t) long, when entry i of a row is not the row's i-th real token (a cache compressed again and the
+    # places of what it kept known: ``runtime.rolling``): each entry's index among its row's real prompt tokens, and
+    # ``seen`` (b,) long, the real tokens each row has seen so far. None: entry i is the row's i-th real token.
+    places: torch.Tensor | None = field(default=None, repr=False)
+    seen: torch.Tensor | None = field(default=None, repr=False)
 
     def remember(self, key: object, compute: Callable[[], T]) -> T:
         """``compute()`` once per view and key: several methods deciding on one prefill share scores and norms."""

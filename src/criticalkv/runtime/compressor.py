@@ -35,7 +35,7 @@ from criticalkv.models.families import attention_modules
 from criticalkv.runtime.checks import check_compressible, refuse_nesting
 from criticalkv.runtime.method import Method
 from criticalkv.runtime.prefill_view import PrefillFacts, prefill_view
-from criticalkv.scorers.base import PendingLayer, PrefillContext
+from criticalkv.scorers.base import PendingLayer, PrefillContext, follows_places
 from criticalkv.scorers.reconstruct import MaxAttentionProbe
 
 
@@ -308,6 +308,8 @@ class Compressor:
             layer.fresh = layer.pending = False
         else:
             layer.compress(decision.keep, decision.width)
+        if self.rolling is not None and follows_places(self.method.scorer):  # compressed again: where kept ones stand
+            self.rolling.placed(view.module.layer_idx, layer, view.valid, decision.keep)
         keep = None
         if self.record_keep:
             whole = view.valid[:, None, :].expand(-1, view.keys.shape[1], -1)  # kept whole: every real entry

@@ -36,11 +36,16 @@ class Scorer(Piece, Protocol):
     after_prefill
         True when the scores come from passes over the finished prefill (``score_after_prefill``): the method is
         then deferred, its layers dense until the prefill ends. Default False.
+    reads_places
+        True when ``score`` reads ``LayerView.places``, where the entries of a cache compressed again (a chunked
+        prefill, compression while decoding) stand in the prompt: the runtime then follows them through every
+        compression. Default False (the views carry none).
     """
 
     non_negative: ClassVar[bool] = False
     supports_sliding_windows: ClassVar[bool] = True
     after_prefill: ClassVar[bool] = False
+    reads_places: bool = False
 
     def score(self, view: LayerView) -> torch.Tensor:
         """Scores (b, h_kv, t), float32. Values at padding positions are ignored."""
@@ -84,6 +89,12 @@ class PrefillContext:
 
 
 _SCORING_METHODS = ("score", "score_after_prefill")
+
+
+def follows_places(scorer: object) -> bool:
+    """Whether ``scorer`` reads ``LayerView.places`` (``reads_places``; False for a scorer of one's own that does not
+    derive from ``Scorer`` and does not say)."""
+    return bool(getattr(scorer, "reads_places", False))
 
 
 def declares_non_negative(scorer: object) -> bool:

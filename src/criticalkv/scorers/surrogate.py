@@ -62,6 +62,14 @@ def place_features(valid: torch.Tensor) -> torch.Tensor:
     return torch.stack([p / n, p.log1p(), (n - p).clamp(min=1).log()], dim=-1)
 
 
+def prompt_place_features(places: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """(b, h_kv, t, 3) float32: ``place_features`` of entries that stand at ``places`` (b, h_kv, t) long among their
+    row's ``seen`` (b,) real tokens (a cache compressed again: ``LayerView.places``)."""
+    n = seen.clamp(min=1).float()[:, None, None]  # (b, 1, 1)
+    p = places.float()
+    return torch.stack([p / n, p.log1p(), (n - p).clamp(min=1).log()], dim=-1)
+
+
 def key_value_features(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """(..., d/2 + 2d) float32: each entry's key pair magnitudes, key and value, from keys and values (..., d).
 
@@ -75,8 +83,11 @@ def key_value_features(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor
 
 def surrogate_features(keys: torch.Tensor, values: torch.Tensor, place: torch.Tensor) -> torch.Tensor:
     """(b, h_kv, t, F) float32 features from keys and values (b, h_kv, t, d) and the rows' ``place_features``
-    (b, t, 3), F = ``feature_count(d)``: ``key_value_features`` and the place, the same for every head."""
-    place = place.to(keys.device)[:, None].expand(-1, keys.shape[1], -1, -1)  # (b, h_kv, t, 3)
+    (b, t, 3), the same for every head, or each head's (b, h_kv, t, 3); F = ``feature_count(d)``:
+    ``key_value_features`` and the place."""
+    place = place.to(keys.device)
+    if place.dim() == 3:
+        place = place[:, None].expand(-1, keys.shape[1], -1, -1)  # (b, h_kv, t, 3)
     return torch.cat([key_value_features(keys, values), place], dim=-1)
 
 
@@ -265,12 +276,20 @@ class SurrogateScorer(Scorer):
         is installed (``check_model``); a model without one is refused with the command that trains one.
     sinks
         First tokens of each row always kept.
+    place
+        Where an entry stands, for a cache compressed again (a chunked prefill, compression while decoding):
+        ``"held"`` (the default), its rank among the entries held (the kept ones, then the chunk), with the maps
+        mixed for that many entries; ``"prompt"``, its place among the prompt's tokens seen so far and the maps mixed
+        for that many, as in a one-shot compression, where the runtime knows it (``LayerView.places``: not for
+        entries of a loaded context or of sessions stacked after their prefill, which are placed by rank). The same
+        in a one-shot compression.
     """
 
     non_negative: ClassVar[bool] = True  # exp of a prediction (Scorer)
 
     weights: SurrogateWeights | None = None
     sinks: int = 4
+    place: str = "held"
     # attention module -> the maps and the index of its layer in them, set by check_model
     _maps: weakref.WeakKeyDictionary = field(
         default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False
@@ -279,10 +298,17 @@ class SurrogateScorer(Scorer):
     def __post_init__(self) -> None:
         if self.sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+        if self.place not in ("held", "prompt"):
+            raise ValueError(f"place must be 'held' or 'prompt', got {self.place!r}")
+
+    @property
+    def reads_places(self) -> bool:  # Scorer: with place="prompt", the runtime follows where kept entries stand
+        return self.place == "prompt"
 
     def __repr__(self) -> str:  # the memo key of its scores and a sweep's record of the method: what changes them
         weights = self.weights if self.weights is not None else f"shipped:{shipped_digest()}"
-        return f"SurrogateScorer(weights={weights}, sinks={self.sinks})"
+        place = "" if self.place == "held" else f", place={self.place}"  # the default's files and folders unchanged
+        return f"SurrogateScorer(weights={weights}, sinks={self.sinks}{place})"
 
     def check_model(self, model: nn.Module) -> None:
         """Find (or check) the maps for ``model`` before any forward, and attach each to its attention layer."""
@@ -306,10 +332,14 @@ class SurrogateScorer(Scorer):
         h_kv = view.keys.shape[1]
         if weights.weight.shape[1] != h_kv:
             raise SurrogateError(f"the surrogate map has {weights.weight.shape[1]} KV heads, the layer {h_kv}")
-        place = view.remember_for_prefill("surrogate place", lambda: place_features(view.valid))  # (b, t, 3)
+        if self.place == "prompt" and view.places is not None:
+            place = prompt_place_features(view.places, view.seen)  # (b, h_kv, t, 3)
+            mix = length_mix(view.seen, weights.lengths)  # (b, K)
+        else:
+            place = view.remember_for_prefill("surrogate place", lambda: place_features(view.valid))  # (b, t, 3)
+            key = ("surrogate length mix", weights.lengths)
+            mix = view.remember_for_prefill(key, lambda: length_mix(view.lengths, weights.lengths))  # (b, K)
         features = surrogate_features(view.keys, view.values, place)  # (b, h_kv, t, F)
-        key = ("surrogate length mix", weights.lengths)
-        mix = view.remember_for_prefill(key, lambda: length_mix(view.lengths, weights.lengths))  # (b, K)
         log_scores = weights.predict(index, features, mix)  # (b, h_kv, t)
         return log_scores.clamp_(max=_LOG_CEILING).exp_()  # (b, h_kv, t) float32
 
