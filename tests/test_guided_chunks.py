@@ -151,10 +151,10 @@ def test_run_guides_its_chunks_with_the_question(short_model, tmp_path):
     assert next(r for r in report["results"] if r["method"] == "snapkv")["kept_entries"] == 12
 
 
-@pytest.mark.parametrize("method", ["knorm", "streaming"])
+@pytest.mark.parametrize("method", ["knorm", "streaming", "surrogate"])
 def test_scorers_that_read_no_queries_keep_the_same_entries_with_a_guide(method):
-    """Key norm and StreamingLLM score each entry alone: the guide's forward changes no choice. (The surrogate places
-    each entry among the entries held, the guide's too, so it may choose otherwise.)"""
+    """Key norm, StreamingLLM and the surrogate (each entry placed in the prompt, the guide's tokens not counted)
+    score each entry alone: the guide's forward changes no choice."""
     model = _model("llama")
     ids, guide = _ids(45, seed=3), _ids(5, seed=4)
     plain = ContextSession(model, _method(method, model), chunk_size=10, cap=8, **_options(method, model))

@@ -111,6 +111,6 @@ def test_the_surrogate_reads_prompt_places_only_when_asked_and_says_so():
         one_shot = ContextSession(model, "critical-surrogate", budget=10, weights=weights, place=place, window=4)
         assert torch.equal(one_chunk.prefill(ids), one_shot.prefill(ids))  # one chunk: no place is read
     assert not all(torch.equal(a, b) for a, b in zip(kept["held"], kept["prompt"], strict=True))
-    assert "place=prompt" in repr(SurrogateScorer(place="prompt")) and "place" not in repr(SurrogateScorer())
+    assert "place=held" in repr(SurrogateScorer(place="held")) and "place" not in repr(SurrogateScorer())
     with pytest.raises(ValueError, match="place must be"):
         SurrogateScorer(place="chunk")

@@ -278,18 +278,18 @@ class SurrogateScorer(Scorer):
         First tokens of each row always kept.
     place
         Where an entry stands, for a cache compressed again (a chunked prefill, compression while decoding):
-        ``"held"`` (the default), its rank among the entries held (the kept ones, then the chunk), with the maps
-        mixed for that many entries; ``"prompt"``, its place among the prompt's tokens seen so far and the maps mixed
-        for that many, as in a one-shot compression, where the runtime knows it (``LayerView.places``: not for
-        entries of a loaded context or of sessions stacked after their prefill, which are placed by rank). The same
-        in a one-shot compression.
+        ``"prompt"`` (the default), its place among the prompt's tokens seen so far, with the maps mixed for that
+        many, as a one-shot compression places it, where the runtime knows it (``LayerView.places``: not for entries
+        of a loaded context or of sessions stacked after their prefill, which are placed by rank); ``"held"``, its
+        rank among the entries held (the kept ones, then the chunk) and the maps mixed for that many entries. The
+        same in a one-shot compression.
     """
 
     non_negative: ClassVar[bool] = True  # exp of a prediction (Scorer)
 
     weights: SurrogateWeights | None = None
     sinks: int = 4
-    place: str = "held"
+    place: str = "prompt"
     # attention module -> the maps and the index of its layer in them, set by check_model
     _maps: weakref.WeakKeyDictionary = field(
         default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False
@@ -307,7 +307,7 @@ class SurrogateScorer(Scorer):
 
     def __repr__(self) -> str:  # the memo key of its scores and a sweep's record of the method: what changes them
         weights = self.weights if self.weights is not None else f"shipped:{shipped_digest()}"
-        place = "" if self.place == "held" else f", place={self.place}"  # the default's files and folders unchanged
+        place = "" if self.place == "prompt" else f", place={self.place}"  # a one-shot folder's record unchanged
         return f"SurrogateScorer(weights={weights}, sinks={self.sinks}{place})"
 
     def check_model(self, model: nn.Module) -> None:
