@@ -57,16 +57,19 @@ def feature_count(head_dim: int) -> int:
 def place_features(valid: torch.Tensor) -> torch.Tensor:
     """(b, t, 3) float32: for each entry its position p among the n real entries of its row (``valid`` (b, t) bool,
     False on padding) as p/n, log(1+p) and log(n-p). Padding gets the features of its row's next entry."""
-    n = valid.sum(-1, keepdim=True).clamp(min=1).float()  # (b, 1)
-    p = (valid.cumsum(-1) - 1).clamp(min=0).float()  # (b, t)
-    return torch.stack([p / n, p.log1p(), (n - p).clamp(min=1).log()], dim=-1)
+    n = valid.sum(-1, keepdim=True)  # (b, 1)
+    return _place(valid.cumsum(-1) - 1, n)
 
 
 def prompt_place_features(places: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
     """(b, h_kv, t, 3) float32: ``place_features`` of entries that stand at ``places`` (b, h_kv, t) long among their
     row's ``seen`` (b,) real tokens (a cache compressed again: ``LayerView.places``)."""
-    n = seen.clamp(min=1).float()[:, None, None]  # (b, 1, 1)
-    p = places.float()
+    return _place(places, seen[:, None, None])
+
+
+def _place(p: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """(..., 3) float32: p/n, log(1+p) and log(n-p) of positions ``p`` (clamped at 0) among ``n`` (broadcast)."""
+    n, p = n.clamp(min=1).float(), p.clamp(min=0).float()
     return torch.stack([p / n, p.log1p(), (n - p).clamp(min=1).log()], dim=-1)
 
 
