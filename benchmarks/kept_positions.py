@@ -6,8 +6,9 @@ pairs that hold all its tokens.
     python benchmarks/kept_positions.py --model qwen2.5-0.5b --tasks niah_single_1,niah_single_2,niah_single_3 \
         --samples 4 --method critical-snapkv --cap 1024 --chunk-size 1024 --out results/kept_positions.json
 
-A chunked prefill keeps no record of its entries' prompt positions; the slow reference of the tests
-(``tests/bounded_reference.py``: it follows every compression and refill) recovers them.
+A chunked prefill follows its entries' prompt positions only for the scorers that read them (the surrogate's); the
+slow reference of the tests (``tests/bounded_reference.py``: it follows every compression and refill) recovers them
+for any method.
 """
 
 from __future__ import annotations

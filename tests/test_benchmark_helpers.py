@@ -1,5 +1,5 @@
 """The pure helpers of the benchmarks (the kvpress comparisons: speed_memory.py, quality_vs_kvpress.py; and
-compare_sweeps.py, headline_table.py, kept_positions.py)."""
+compare_sweeps.py, headline_table.py, kept_positions.py, surrogate_placement.py)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ from plot_benchmarks import (
 from prefill_overhead import run_ratios
 from quality_vs_kvpress import answer_tables, both_answered, trim_at_eos
 from speed_memory import kvpress_ratio, run_child, summarise
+from surrogate_placement import chunked_keep, log_scores
+
+from criticalkv.scorers.surrogate import SurrogateWeights, feature_count
 
 
 @given(t=st.integers(min_value=64, max_value=200_000), tenths=st.integers(min_value=1, max_value=9))
@@ -940,3 +943,22 @@ def test_kept_shares_count_every_layer_and_head_per_tenth_and_whole_spans() -> N
     out = shares(held, [(4, 6), (18, 20)])
     assert out["share_per_tenth"] == [0.0, 0.0, round(3 / 15, 4)] + [0.0] * 6 + [round(12 / 15, 4)]
     assert out["pairs_holding_value"] == [round(1 / 6, 4), 1.0]
+
+
+def test_surrogate_placement_one_chunk_keeps_the_one_shot_choice_and_chunks_keep_the_cap():
+    """surrogate_placement.py: a chunk as long as the context is the one-shot compression, either placement; with
+    chunks each head keeps ``cap`` distinct prompt positions, the 4 sinks among them."""
+    d, h, t, cap = 8, 2, 40, 12
+    generator = torch.Generator().manual_seed(3)
+    weight = 0.3 * torch.randn(1, h, 2, feature_count(d), generator=generator)
+    weights = SurrogateWeights(weight, torch.zeros(1, h, 2), (0,), "random", (16, 64))
+    keys, values = torch.randn(2, 1, h, t, d, generator=generator)
+    one_shot = log_scores(weights, 0, keys, values, torch.arange(t).expand(h, -1), t).topk(cap, dim=-1).indices
+    for place in ("held", "prompt"):
+        assert torch.equal(chunked_keep(weights, 0, keys, values, cap, t, place), one_shot.sort(-1).values)
+        kept = chunked_keep(weights, 0, keys, values, cap, 10, place)  # (h_kv, cap)
+        assert (
+            kept.shape == (h, cap)
+            and bool((kept.diff(dim=-1) > 0).all())
+            and bool((kept[:, :4] == torch.arange(4)).all())
+        )
