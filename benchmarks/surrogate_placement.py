@@ -18,33 +18,36 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from criticalkv.eval import ruler
 from criticalkv.models import load_model
+from criticalkv.models.families import attention_modules, full_attention_layers
 from criticalkv.prompts import chat_prompt_parts, encode_prompt_parts
-from criticalkv.scorers.surrogate import (
-    SurrogateWeights,
-    length_mix,
-    prompt_place_features,
-    shipped_for,
-    surrogate_features,
-)
+from criticalkv.scorers import LayerView, SurrogateScorer
+from criticalkv.scorers.base import follows_places
 
 
-def log_scores(
-    weights: SurrogateWeights, index: int, keys: torch.Tensor, values: torch.Tensor, places: torch.Tensor, seen: int
+def scores_of(
+    scorer: SurrogateScorer,
+    module: nn.Module,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    places: torch.Tensor,
+    seen: int,
 ) -> torch.Tensor:
-    """(h_kv, n) log-scores of entries with keys and values (1, h_kv, n, d) at prompt ``places`` (h_kv, n) among
-    ``seen`` tokens: places and the length mix are the prompt's for place=prompt; give ``places`` = 0..n-1 and
-    ``seen`` = n for place=held (the first 4 held entries, the scorer's sinks, then score highest)."""
-    place = prompt_place_features(places[None], torch.tensor([seen]))  # (1, h_kv, n, 3)
-    features = surrogate_features(keys, values, place)
-    scores = weights.predict(index, features, length_mix(torch.tensor([seen]), weights.lengths))[0]
-    return scores.masked_fill(places < 4, float("inf"))
+    """(h_kv, n) the scorer's scores of entries with keys and values (1, h_kv, n, d) standing at prompt ``places``
+    (h_kv, n) among ``seen`` tokens, as the runtime hands them to it (the places only to a scorer that reads them);
+    its protected entries (the sinks) score highest."""
+    n = keys.shape[2]
+    view = LayerView(module, keys[:, :, :0], keys, values, torch.ones(1, n, dtype=torch.bool), 1.0)  # no queries read
+    if follows_places(scorer):
+        view.places, view.seen = places[None], torch.tensor([seen])
+    return scorer.score(view)[0].masked_fill(scorer.protected(view)[0], float("inf"))
 
 
 def chunked_keep(
-    weights: SurrogateWeights, index: int, keys: torch.Tensor, values: torch.Tensor, cap: int, chunk: int, place: str
+    scorer: SurrogateScorer, module: nn.Module, keys: torch.Tensor, values: torch.Tensor, cap: int, chunk: int
 ) -> torch.Tensor:
     """(h_kv, cap) prompt positions kept after compressing keys and values (1, h_kv, t, d) chunk after chunk."""
     h, t = keys.shape[1], keys.shape[2]
@@ -55,11 +58,7 @@ def chunked_keep(
         if held.shape[1] <= cap:
             continue
         k, v = (x.gather(2, held[None, ..., None].expand(-1, -1, -1, x.shape[-1])) for x in (keys, values))
-        if place == "prompt":
-            scores = log_scores(weights, index, k, v, held, end)
-        else:  # each entry at its rank among the n held, the maps mixed for n
-            n = held.shape[1]
-            scores = log_scores(weights, index, k, v, torch.arange(n).expand(h, -1), n)
+        scores = scores_of(scorer, module, k, v, held, end)
         held = held.gather(1, scores.topk(cap, dim=-1).indices.sort(-1).values)
     return held
 
@@ -76,7 +75,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tokenizer = load_model(args.model, dtype="float32")
-    weights = shipped_for(model)
+    scorers = {place: SurrogateScorer(place=place) for place in ("held", "prompt")}
+    for scorer in scorers.values():
+        scorer.check_model(model)  # the shipped maps, attached to the model's attention layers
+    compressed = set(full_attention_layers(model.config))  # the layers a map was fitted for
+    modules = {m.layer_idx: m for m in attention_modules(model) if m.layer_idx in compressed}
     rows = []
     for task in args.tasks.split(","):
         for sample in ruler.generate(task, tokenizer, args.length, args.samples):
@@ -86,13 +89,13 @@ def main() -> None:
                 cache = model(ids, use_cache=True).past_key_values
             t = ids.shape[1]
             row = {"task": task, "index": sample.index, "tokens": t, "held": [], "prompt": []}
-            for index, layer in enumerate(weights.layers):
+            for layer, module in modules.items():
                 keys, values = cache.layers[layer].keys, cache.layers[layer].values  # (1, h_kv, t, d)
                 h = keys.shape[1]
                 full = torch.arange(t).expand(h, -1)
-                one_shot = log_scores(weights, index, keys, values, full, t).topk(args.cap, dim=-1).indices
-                for place in ("held", "prompt"):
-                    kept = chunked_keep(weights, index, keys, values, args.cap, args.chunk_size, place)
+                one_shot = scores_of(scorers["prompt"], module, keys, values, full, t).topk(args.cap, dim=-1).indices
+                for place, scorer in scorers.items():
+                    kept = chunked_keep(scorer, module, keys, values, args.cap, args.chunk_size)
                     same = sum(len(set(kept[j].tolist()) & set(one_shot[j].tolist())) for j in range(h))
                     row[place].append(round(same / (h * args.cap), 4))
             row.update({f"mean_{p}": round(sum(row[p]) / len(row[p]), 4) for p in ("held", "prompt")})

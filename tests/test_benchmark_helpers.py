@@ -36,9 +36,10 @@ from plot_benchmarks import (
 from prefill_overhead import run_ratios
 from quality_vs_kvpress import answer_tables, both_answered, trim_at_eos
 from speed_memory import kvpress_ratio, run_child, summarise
-from surrogate_placement import chunked_keep, log_scores
+from surrogate_placement import chunked_keep, scores_of
 
-from criticalkv.scorers.surrogate import SurrogateWeights, feature_count
+from criticalkv.models.families import attention_modules
+from criticalkv.scorers import SurrogateScorer
 
 
 @given(t=st.integers(min_value=64, max_value=200_000), tenths=st.integers(min_value=1, max_value=9))
@@ -948,15 +949,21 @@ def test_kept_shares_count_every_layer_and_head_per_tenth_and_whole_spans() -> N
 def test_surrogate_placement_one_chunk_keeps_the_one_shot_choice_and_chunks_keep_the_cap():
     """surrogate_placement.py: a chunk as long as the context is the one-shot compression, either placement; with
     chunks each head keeps ``cap`` distinct prompt positions, the 4 sinks among them."""
-    d, h, t, cap = 8, 2, 40, 12
-    generator = torch.Generator().manual_seed(3)
-    weight = 0.3 * torch.randn(1, h, 2, feature_count(d), generator=generator)
-    weights = SurrogateWeights(weight, torch.zeros(1, h, 2), (0,), "random", (16, 64))
-    keys, values = torch.randn(2, 1, h, t, d, generator=generator)
-    one_shot = log_scores(weights, 0, keys, values, torch.arange(t).expand(h, -1), t).topk(cap, dim=-1).indices
+    from test_every_preset import _random_surrogate
+    from test_runtime import _model
+
+    model = _model("llama")
+    module = attention_modules(model)[0]
+    t, cap = 40, 12
+    h, d = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    keys, values = torch.randn(2, 1, h, t, d, generator=torch.Generator().manual_seed(3))
+    weights = _random_surrogate(model)
     for place in ("held", "prompt"):
-        assert torch.equal(chunked_keep(weights, 0, keys, values, cap, t, place), one_shot.sort(-1).values)
-        kept = chunked_keep(weights, 0, keys, values, cap, 10, place)  # (h_kv, cap)
+        scorer = SurrogateScorer(weights=weights, place=place)
+        scorer.check_model(model)
+        one_shot = scores_of(scorer, module, keys, values, torch.arange(t).expand(h, -1), t).topk(cap, dim=-1).indices
+        assert torch.equal(chunked_keep(scorer, module, keys, values, cap, t), one_shot.sort(-1).values)
+        kept = chunked_keep(scorer, module, keys, values, cap, 10)  # (h_kv, cap)
         assert (
             kept.shape == (h, cap)
             and bool((kept.diff(dim=-1) > 0).all())
