@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import socket
 import sys
+import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from importlib.machinery import ModuleSpec
 from importlib.util import find_spec
@@ -116,7 +118,7 @@ def fake_packages(monkeypatch: pytest.MonkeyPatch, root: Path, files: dict[str, 
 
 def leftovers(root: Path) -> list[str]:
     models = root / "models"
-    return sorted(p.name for p in models.iterdir()) if models.exists() else []
+    return sorted(p.name for p in models.iterdir() if p.suffix != ".lock") if models.exists() else []
 
 
 # ---------------------------------------------------------------- preset table
@@ -230,6 +232,29 @@ def test_conversion_joins_verifies_and_caches(
     loaded = model32.model.layers[0].self_attn.q_proj.weight
     assert loaded.dtype == torch.float32
     torch.testing.assert_close(loaded, reference.to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+def test_concurrent_first_uses_convert_once(
+    fake_preset: dict[str, object], cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes started together on a fresh machine: the second waits for the first one's folder."""
+    load = gguf._load_gguf
+    both_waiting = threading.Barrier(2)
+
+    def slow_load(folder: Path, file_name: str):
+        time.sleep(0.5)  # the other caller reaches the lock meanwhile
+        return load(folder, file_name)
+
+    monkeypatch.setattr(gguf, "_load_gguf", slow_load)
+
+    def first_use() -> Path:
+        both_waiting.wait()
+        return resolve_model_folder("fake")
+
+    with ThreadPoolExecutor(2) as pool:
+        folders = list(pool.map(lambda _: first_use(), range(2)))
+    assert folders[0] == folders[1] == cache / "models" / "fake"
+    assert fake_preset["calls"] == 1 and leftovers(cache) == ["fake"]
 
 
 def test_interrupted_conversion_leaves_no_folder(

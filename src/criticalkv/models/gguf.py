@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from criticalkv.core.paths import cache_root
@@ -129,11 +130,7 @@ def _convert(preset: Preset, final: Path) -> None:
             progress.update(task, total=1, completed=1)
         if final.exists():  # stale or foreign folder without a valid marker: move it aside, then drop it
             final.rename(tmp / "stale")
-        try:
-            staged.rename(final)  # atomic: readers never see a half-written folder
-        except OSError:
-            if not _is_converted(final, preset):  # a concurrent conversion did not win the race either
-                raise
+        staged.rename(final)  # atomic: readers never see a half-written folder
     finally:
         if bars_were_on:
             hf_logging.enable_progress_bar()
@@ -165,5 +162,10 @@ def resolve_model_folder(name: str) -> Path:
     preset = get_preset(name)
     final = cache_root() / "models" / preset.name
     if not _is_converted(final, preset):
-        _convert(preset, final)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        # One conversion at a time: a process started beside another waits for its folder instead of converting
+        # it again (and moving the finished folder aside while the other one loads it).
+        with FileLock(final.parent / f".{preset.name}.lock"):
+            if not _is_converted(final, preset):
+                _convert(preset, final)
     return final
