@@ -23,7 +23,7 @@ def _true_places(layer, positions: torch.Tensor, mask: torch.Tensor) -> list[tor
 
 
 def _rolling_places(session: ContextSession, layer_idx: int, layer) -> list[torch.Tensor]:
-    flat = session.compressor.rolling._places[layer_idx][2]
+    flat = session.compressor.places.known[layer_idx][2]
     return list(flat.split(layer.lengths.flatten().tolist()))
 
 
@@ -49,7 +49,7 @@ def test_the_places_of_kept_entries_follow_every_chunk_and_decoding_compression(
             want = _true_places(layer, tracker.positions[id(layer)][..., : layer.context_seen], mask)
             got = _rolling_places(session, index, layer)
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-            assert torch.equal(session.compressor.rolling._places[index][3], mask.sum(-1))
+            assert torch.equal(session.compressor.places.known[index][3], mask.sum(-1))
         before = [_rolling_places(session, index, layer) for index, layer in enumerate(_layers(session))]
         session.ask(_ids(3, seed=4).expand(ids.shape[0], -1), max_new_tokens=12)  # compresses a copy while decoding
     finally:
@@ -79,7 +79,7 @@ def test_places_during_decoding_count_the_answer_after_the_prompt(monkeypatch):
         session.ask(_ids(3, seed=4), max_new_tokens=10)
         assert len(read) > 2 and read[0] is None  # the prompt's own compression reads no places
         if place == "held":
-            assert all(r is None for r in read) and not session.compressor.rolling._places
+            assert all(r is None for r in read) and session.compressor.places is None
             continue
         places, seen = read[-1]
         assert int(places.max()) == int(seen[0]) - 1 >= 30 + 3  # the newest entry: the last token seen
@@ -114,3 +114,52 @@ def test_the_surrogate_reads_prompt_places_only_when_asked_and_says_so():
     assert "place=held" in repr(SurrogateScorer(place="held")) and "place" not in repr(SurrogateScorer())
     with pytest.raises(ValueError, match="place must be"):
         SurrogateScorer(place="chunk")
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_saved_session_keeps_its_entries_places_for_compression_while_decoding(chunked, tmp_path, monkeypatch):
+    """A context compressed once (one-shot or in chunks) and saved: the loaded session knows where its kept entries
+    stand in the prompt (the tracker's positions), so compressing its answers places them there; a file saved by a
+    rank-placing scorer holds none, and a session loaded from it leaves them unknown (placed by rank)."""
+    model = _model("llama")
+    ids = _ids(40, seed=5)
+    weights = _options("surrogate", model)["weights"]
+    sizes = {"chunk_size": 12, "cap": 10} if chunked else {"budget": 10}
+    with monkeypatch.context() as patches:  # the tracker follows this prefill only
+        tracker = Tracker(model, patches)
+        try:
+            session = ContextSession(model, "surrogate", weights=weights, place="prompt", **sizes)
+            session.prefill(ids)
+            truth = [
+                _true_places(layer, tracker.positions[id(layer)][..., : layer.context_seen], torch.ones_like(ids))
+                for layer in _layers(session)
+            ]
+        finally:
+            tracker.close()
+    read = []
+    real_score = SurrogateScorer.score
+
+    def score(scorer, view):
+        read.append(None if view.places is None else (view.places.clone(), view.seen.clone()))
+        return real_score(scorer, view)
+
+    monkeypatch.setattr(SurrogateScorer, "score", score)
+    for place in ("prompt", "held"):
+        saved = ContextSession(model, "surrogate", weights=weights, place=place, **sizes)
+        saved.prefill(ids)
+        saved.save(tmp_path / f"{place}.safetensors")
+    method = session.compressor.method  # a surrogate of the tiny model's own maps: not a preset's spec
+    loaded = ContextSession.load(tmp_path / "prompt.safetensors", model, method, cap=10, compress_every=4)
+    for index, layer in enumerate(_layers(loaded)):
+        assert all(torch.equal(a, b) for a, b in zip(_rolling_places(loaded, index, layer), truth[index], strict=True))
+    read.clear()
+    loaded.ask(_ids(3, seed=4), max_new_tokens=10)
+    assert len(read) > 2 and all(r is not None for r in read)
+    places, seen = read[-1]
+    assert int(places.max()) == int(seen[0]) - 1 >= 40 + 3  # the newest entry: the last token seen
+    assert torch.equal(places[..., :-12].sort(-1).values, places[..., :-12])  # the context's in prompt order
+    unknown = ContextSession.load(tmp_path / "held.safetensors", model, method, cap=10, compress_every=4)
+    assert not unknown.compressor.places.known
+    read.clear()
+    unknown.ask(_ids(3, seed=4), max_new_tokens=10)
+    assert len(read) > 2 and all(r is None for r in read)

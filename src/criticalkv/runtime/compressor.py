@@ -34,6 +34,7 @@ from criticalkv.errors import CacheStateError, UnsupportedModelError
 from criticalkv.models.families import attention_modules
 from criticalkv.runtime.checks import check_compressible, refuse_nesting
 from criticalkv.runtime.method import Method
+from criticalkv.runtime.places import Places
 from criticalkv.runtime.prefill_view import PrefillFacts, prefill_view
 from criticalkv.scorers.base import PendingLayer, PrefillContext, follows_places
 from criticalkv.scorers.reconstruct import MaxAttentionProbe
@@ -91,6 +92,8 @@ class Compressor:
         self._state: dict = {}
         self.facts = PrefillFacts()  # of the forward running now: a new one with every forward
         self.rolling = None  # a ``runtime.rolling.Rolling``: compress again after each chunk / every N tokens
+        # where the kept entries stand in the prompt, followed only for a scorer that reads it (``runtime.places``)
+        self.places = Places() if follows_places(self.method.scorer) else None
         # how generate runs under a bounded-memory schedule (set with ``rolling`` by ``runtime.api``; the module that
         # knows it sits above this one)
         self.generate_with = None
@@ -308,8 +311,8 @@ class Compressor:
             layer.fresh = layer.pending = False
         else:
             layer.compress(decision.keep, decision.width)
-        if self.rolling is not None and follows_places(self.method.scorer):  # compressed again: where kept ones stand
-            self.rolling.placed(view.module.layer_idx, layer, view.valid, decision.keep)
+        if self.places is not None:  # read when the layer is compressed again (chunks, decoding, a loaded session)
+            self.places.placed(view.module.layer_idx, layer, view.valid, decision.keep)
         keep = None
         if self.record_keep:
             whole = view.valid[:, None, :].expand(-1, view.keys.shape[1], -1)  # kept whole: every real entry

@@ -230,6 +230,9 @@ def save_session(session: ContextSession, path: str | os.PathLike, model_source:
     if session.cache.get_seq_length() != session.context_length:
         raise CacheStateError("the session holds tokens after its context: rewind first")
     tensors, counts = _cache_tensors(session.cache)
+    places = None if session.compressor is None else session.compressor.places
+    if places is not None:  # where the kept entries stand, read by compression while decoding
+        tensors.update(places.tensors(session.cache.layers))
     tensors["session.mask"] = session.mask  # (b, t)
     tensors["session.last_logits"] = session.last_logits  # (b, vocab) float32
     header = _header(
@@ -270,6 +273,8 @@ def load_session(
     cache = build_cache(header, tensors, model, method)
     if compress_every is not None:
         schedule_decoding(cache.compressor, Budget.parse(header["budget"]), cap, compress_every)
+    if cache.compressor.places is not None:  # a file saved without them (a rank-placing scorer's) leaves them unknown
+        cache.compressor.places.load(tensors, cache.layers, mask.sum(-1))
     session = ContextSession.from_cache(model, cache.compressor, cache, mask, last)
     session.context_digest = header["context"]["sha256"]
     return session

@@ -24,12 +24,13 @@ from torch import nn
 
 from criticalkv.budget import Budget
 from criticalkv.cache.compressed_layer import CompressedLayer, as_bool_mask
-from criticalkv.cache.rolling import held_entries, held_places, refill
+from criticalkv.cache.rolling import held_entries, refill
 from criticalkv.core.view import LayerView
 from criticalkv.errors import BoundedMemoryError
 from criticalkv.runtime.compressor import LayerRecord
 from criticalkv.runtime.method import Method
-from criticalkv.scorers.base import declares_non_negative, follows_places
+from criticalkv.runtime.places import Places
+from criticalkv.scorers.base import declares_non_negative
 
 
 def check_rolling_method(method: Method) -> None:
@@ -75,9 +76,6 @@ class Rolling:
     _rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # layer -> (b, h_q, r, d) last queries
     _checked: dict[int, int] = field(default_factory=dict, repr=False)  # layer -> its length when last compressed
     _pending: list = field(default_factory=list, repr=False)  # a cross-layer method's layers of this forward
-    # layer -> (its context_seen and lengths (b, h_kv) when placed, each context entry's place (N,) long, real
-    # tokens seen (b,)): where in the prompt the entries a compressed layer holds stand, while it holds those
-    _places: dict[int, tuple] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("cap", "chunk_size", "every"):
@@ -87,24 +85,14 @@ class Rolling:
         if self.cap < 2:
             raise BoundedMemoryError(f"cap must be at least 2 entries per KV head, got {self.cap}")
 
-    def saved(self) -> tuple[dict, dict, dict]:
-        """What ``restore`` puts back: the remembered queries, compression points and places (a session's context)."""
-        return dict(self._rows), dict(self._checked), dict(self._places)
+    def saved(self) -> tuple[dict, dict]:
+        """What ``restore`` puts back: the remembered queries and compression points (a session's context)."""
+        return dict(self._rows), dict(self._checked)
 
-    def restore(self, saved: tuple[dict, dict, dict]) -> None:
+    def restore(self, saved: tuple[dict, dict]) -> None:
         """Back to what ``saved`` returned."""
-        self._rows, self._checked, self._places = (dict(part) for part in saved)
+        self._rows, self._checked = (dict(part) for part in saved)
         self._pending = []
-
-    def placed(self, layer_idx: int, layer: CompressedLayer, valid: torch.Tensor, keep: torch.Tensor | None) -> None:
-        """A prompt's first compression of a layer: ``keep`` (b, h_kv, t) of a view whose real tokens ``valid``
-        (b, t) flags (None: the layer stays dense, its entries the prompt's own). Remembers where the kept entries
-        stand, for the scorers that read places (``LayerView.places``)."""
-        self._places.pop(layer_idx, None)
-        if keep is None or not layer.is_compressed:
-            return
-        index = valid.long().cumsum(-1) - 1  # (b, t): each position's index among its row's real tokens
-        self._remember_places(layer_idx, layer, index[:, None, :].expand_as(keep)[keep], valid.sum(-1))
 
     @property
     def budget(self) -> Budget:
@@ -152,7 +140,7 @@ class Rolling:
             return  # rows of another batch remembered (sessions stacked after their prefill): wait for a window
         start = time.process_time()
         self._checked[layer_idx] = layer.seen - self.guide
-        item = self._view(module, attention_mask, scaling, layer, follows_places(method.scorer))
+        item = self._view(module, attention_mask, scaling, layer, compressor.places)
         if method.deferred:
             self._pending.append(item)
         else:
@@ -189,10 +177,10 @@ class Rolling:
         attention_mask: torch.Tensor | None,
         scaling: float,
         layer: CompressedLayer,
-        reads_places: bool,
+        places: Places | None,
     ) -> tuple:
         """The layer's held entries as a view: (view, layer, held (b, h_kv, T) bool); with their places in the
-        prompt (``LayerView.places``) for a scorer that ``reads_places``."""
+        prompt (``LayerView.places``) when the compressor follows them (``places``: its scorer reads them)."""
         keys, values, held = held_entries(layer)  # (b, h_kv, T, d), (b, h_kv, T)
         real = held.new_ones(held.shape[0], layer.tail)  # (b, tail)
         if attention_mask is not None:  # the tail's padding (a row whose real tokens start in this chunk)
@@ -202,34 +190,9 @@ class Rolling:
         query = self._rows[module.layer_idx]
         ragged = not bool((held == valid[:, None, :]).all())
         view = LayerView(module, query, keys, values, valid, scaling, held=held if ragged else None)
-        if reads_places:
-            view.places, view.seen = self._places_of(module.layer_idx, layer, real)
+        if places is not None:
+            view.places, view.seen = places.of(module.layer_idx, layer, real, self.guide)
         return view, layer, held
-
-    def _places_of(
-        self, layer_idx: int, layer: CompressedLayer, real: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Where the held entries stand among their rows' real tokens, (b, h_kv, T) long as ``held_entries`` lays
-        them out, and the real tokens seen (b,) (a guide's not counted); (None, None) where unknown: a compressed
-        layer whose storage was not placed here (a loaded context, sessions stacked after their prefill)."""
-        if layer.is_compressed:
-            known = self._places.get(layer_idx)
-            if known is None or not _same_storage(known, layer):
-                return None, None
-            _, _, context, before = known
-        else:  # dense: the tail is the whole sequence
-            context, before = None, real.new_zeros(real.shape[0], dtype=torch.long)
-        tail = before[:, None] + real.long().cumsum(-1) - 1  # (b, tail)
-        seen = before + real[:, : real.shape[1] - self.guide].sum(-1)
-        if context is None:
-            return tail[:, None, :].expand(-1, layer.keys.shape[1], -1), seen
-        return held_places(layer, context, tail), seen
-
-    def _remember_places(
-        self, layer_idx: int, layer: CompressedLayer, context: torch.Tensor, seen: torch.Tensor
-    ) -> None:
-        if context.shape[0] == layer.context_keys.shape[0]:  # else a storage laid out otherwise: unknown
-            self._places[layer_idx] = (layer.context_seen, layer.lengths.clone(), context, seen)
 
     def _apply(self, compressor, items: list[tuple], decisions: list) -> None:
         for (view, layer, held), decision in zip(items, decisions, strict=True):
@@ -242,20 +205,9 @@ class Rolling:
             if self.guide:
                 layer.seen = layer.context_seen = layer.seen - self.guide
             if keep is not None and view.places is not None:
-                self._remember_places(view.module.layer_idx, layer, view.places[keep], view.seen)
+                compressor.places.remember(view.module.layer_idx, layer, view.places[keep], view.seen)
             kept = decision.budgets if keep is None else keep.sum(-1)  # (b, h_kv)
             record(compressor, LayerRecord(view.module.layer_idx, view.lengths, kept, decision.kept_whole, keep))
-
-
-def _same_storage(known: tuple, layer: CompressedLayer) -> bool:
-    """Whether a compressed layer still holds the context its remembered places describe (the same length seen and
-    per-head counts: one compression later, or a context of other rows, differs)."""
-    context_seen, lengths = known[:2]
-    return (
-        context_seen == layer.context_seen
-        and lengths.shape == layer.lengths.shape
-        and torch.equal(lengths, layer.lengths)
-    )
 
 
 def _pad_left(item: tuple, width: int) -> tuple:

@@ -386,7 +386,10 @@ class ContextSession:
         (Ctrl-C, out of memory): an interrupted answer must not leave its tokens in the cache. Compressing while
         decoding (``compress_every``) changes the context itself: the answer then runs on a copy of it."""
         rolling = None if self.compressor is None else self.compressor.rolling
-        saved = None if rolling is None or rolling.every is None else (copy.deepcopy(self.cache), rolling.saved())
+        places = None if rolling is None else self.compressor.places
+        saved = None
+        if rolling is not None and rolling.every is not None:
+            saved = (copy.deepcopy(self.cache), rolling.saved(), None if places is None else places.saved())
         try:
             with torch.no_grad():
                 start = time.perf_counter()
@@ -418,6 +421,8 @@ class ContextSession:
             else:
                 self.cache = saved[0]
                 rolling.restore(saved[1])
+                if places is not None:
+                    places.restore(saved[2])
                 self.mask_with_pending = self.mask
 
     def _padding_reaches_a_window(self, question_mask: torch.Tensor, max_new_tokens: int) -> bool:
