@@ -163,3 +163,39 @@ def test_a_saved_session_keeps_its_entries_places_for_compression_while_decoding
     read.clear()
     unknown.ask(_ids(3, seed=4), max_new_tokens=10)
     assert len(read) > 2 and all(r is None for r in read)
+
+
+def test_stacked_sessions_follow_their_rows_places_while_answering(monkeypatch):
+    """Sessions stacked for one batched answer (the server's batches) place their rows' entries in the prompt while
+    the answer is compressed, as each session alone does; the sessions' own places are left as they were."""
+    model = _model("llama")
+    weights = _options("surrogate", model)["weights"]
+    read = []
+    real_score = SurrogateScorer.score
+
+    def score(scorer, view):
+        read.append(None if view.places is None else view.places.clone())
+        return real_score(scorer, view)
+
+    monkeypatch.setattr(SurrogateScorer, "score", score)
+    sessions = []
+    for chunk_size in (None, 12):  # a one-shot context, and one in chunks (a dense first layer's places included)
+        session = ContextSession(
+            model, "surrogate", chunk_size=chunk_size, cap=10, compress_every=4, weights=weights, place="prompt"
+        )
+        session.prefill(_ids(40, seed=5))
+        sessions.append(session)
+    own = [dict(session.compressor.places.known) for session in sessions]
+    alone = []
+    for session in sessions:
+        read.clear()
+        session.ask(_ids(3, seed=4), max_new_tokens=6)
+        alone.append(read[0])
+    read.clear()
+    stacked = ContextSession.stacked(sessions)
+    stacked.ask(_ids(3, seed=4).expand(2, -1), max_new_tokens=6)
+    assert read and all(r is not None for r in read)
+    assert torch.equal(read[0][0], alone[0][0]) and torch.equal(read[0][1], alone[1][0])  # the rows, in order
+    for session, before in zip(sessions, own, strict=True):
+        assert session.compressor.places.known.keys() == before.keys()
+        assert all(session.compressor.places.known[i][2] is before[i][2] for i in before)

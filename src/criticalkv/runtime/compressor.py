@@ -93,7 +93,7 @@ class Compressor:
         self.facts = PrefillFacts()  # of the forward running now: a new one with every forward
         self.rolling = None  # a ``runtime.rolling.Rolling``: compress again after each chunk / every N tokens
         # where the kept entries stand in the prompt, followed only for a scorer that reads it (``runtime.places``)
-        self.places = Places() if follows_places(self.method.scorer) else None
+        self.places = Places() if self.method is not None and follows_places(self.method.scorer) else None
         # how generate runs under a bounded-memory schedule (set with ``rolling`` by ``runtime.api``; the module that
         # knows it sits above this one)
         self.generate_with = None

@@ -6,8 +6,9 @@ remembers, per layer, each kept entry's index among its row's real tokens when t
 (``Places.placed``); a later compression of the layer (a chunked prefill's next chunk, decoding: ``runtime.rolling``)
 reads them beside the held entries (``Places.of``) and remembers where the ones it keeps stand (``Places.remember``).
 A saved session stores them (``Places.tensors``) and a loaded one reads them back (``Places.load``). A record holds
-while its layer holds the storage it describes (the same length seen and per-head counts); where none does (sessions
-stacked after their prefill, a file saved without places) they are unknown, and the scorer places by rank.
+while its layer holds the storage it describes (the same length seen and per-head counts); where none does (a file
+saved without places) they are unknown, and the scorer places by rank. Sessions stacked for one batched answer join
+their rows' places (``join``), which the stacked session follows while it answers.
 """
 
 from __future__ import annotations
@@ -86,6 +87,32 @@ class Places:
             context = tensors.get(_TENSOR.format(index))
             if context is not None and layer.is_compressed:
                 self.remember(index, layer, context.long(), seen)
+
+
+def join(parts: list[tuple[Places | None, list]], layers: list) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The places of ``layers``, the rows of the parts' layers stacked in order (``CompressedLayer.stack``: rows in
+    order, each row's segments as they are): layer -> (places (N,), real tokens seen (b,)), for the layers whose every
+    part knows its own (a part's dense layer holds its unpadded prompt's own entries)."""
+    joined = {}
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, CompressedLayer):  # another pipeline stage's
+            continue
+        context, seen = [], []
+        for places, own in parts:
+            part = own[index]
+            if not part.is_compressed:
+                b, h = part.keys.shape[:2]
+                context.append(torch.arange(part.tail, device=part.keys.device).repeat(b * h))
+                seen.append(torch.full((b,), part.tail, dtype=torch.long, device=part.keys.device))
+                continue
+            known = None if places is None else places.known.get(index)
+            if known is None or not _same_storage(known, part):
+                break
+            context.append(known[2])
+            seen.append(known[3])
+        else:
+            joined[index] = (torch.cat(context), torch.cat(seen))
+    return joined
 
 
 def _same_storage(known: tuple, layer: CompressedLayer) -> bool:

@@ -27,6 +27,7 @@ from criticalkv.runtime.checks import refuse_nesting
 from criticalkv.runtime.chunked import prefill_in_chunks
 from criticalkv.runtime.compressor import Compressor
 from criticalkv.runtime.method import Method
+from criticalkv.runtime.places import join as join_places
 from criticalkv.runtime.prefill_view import require_left_padding
 
 #: ``rewind`` copies a transformers layer cropped back to the context only when the storage it keeps holds more
@@ -168,6 +169,8 @@ class ContextSession:
         self.context_length = 0
         self.prefill_seconds = self.compress_cpu_seconds = float("nan")  # until a prefill
         self.context_digest: str | None = None  # sha256 of the context's ids and mask (``persist.token_digest``)
+        # layer -> (places, seen) of a stacked session's rows (``places.join``), followed while it answers
+        self._stacked_places: dict[int, tuple] = {}
 
     @classmethod
     def from_cache(
@@ -191,6 +194,7 @@ class ContextSession:
         session.compress_cpu_seconds = compress_cpu_seconds
         session.context_digest = None
         session.chunk_size = None
+        session._stacked_places = {}
         return session
 
     def save(self, path: str | os.PathLike) -> int:
@@ -228,7 +232,8 @@ class ContextSession:
 
         Every session must hold an unpadded prompt of the same length (checked; each row decodes from its own cache,
         so the prompts themselves may differ) in a stackable ``CompressedCache`` (``CompressedCache.stack``) with
-        nothing asked yet; the sessions themselves are left as they are.
+        nothing asked yet; the sessions themselves are left as they are. Where every session knows where its kept
+        entries stand (a scorer that reads places), the stacked rows' answers compressed while decoding know it too.
         """
         if not sessions:
             raise CacheStateError("nothing to stack")
@@ -241,7 +246,11 @@ class ContextSession:
         mask = torch.cat([s.mask for s in sessions])  # (rows, t)
         last = torch.cat([s.last_logits for s in sessions])  # (rows, vocab)
         seconds = sum(s.compress_cpu_seconds for s in sessions)
-        return cls.from_cache(first.model, first.compressor, cache, mask, last, first.prefill_seconds, seconds)
+        session = cls.from_cache(first.model, first.compressor, cache, mask, last, first.prefill_seconds, seconds)
+        if first.compressor is not None and first.compressor.places is not None:
+            parts = [(None if s.compressor is None else s.compressor.places, s.cache.layers) for s in sessions]
+            session._stacked_places = join_places(parts, cache.layers)
+        return session
 
     # --- phases ------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -390,6 +399,8 @@ class ContextSession:
         saved = None
         if rolling is not None and rolling.every is not None:
             saved = (copy.deepcopy(self.cache), rolling.saved(), None if places is None else places.saved())
+            for index, (context, seen) in self._stacked_places.items():  # this batch's rows, while they answer
+                places.remember(index, self.cache.layers[index], context, seen)
         try:
             with torch.no_grad():
                 start = time.perf_counter()
@@ -472,6 +483,7 @@ class ContextSession:
         part = ContextSession.__new__(ContextSession)
         part.model, part.compressor, part.context_length = self.model, self.compressor, self.context_length
         part.chunk_size = self.chunk_size
+        part._stacked_places = {}  # rows of a context: their entries' places are not followed (placed by rank)
         part.cache = copy.deepcopy(self.cache)
         part.cache.batch_select_indices(rows)
         part.mask = part.mask_with_pending = self.mask[rows]

@@ -282,8 +282,8 @@ class SurrogateScorer(Scorer):
     place
         Where an entry stands, for a cache compressed again (a chunked prefill, compression while decoding):
         ``"prompt"`` (the default), its place among the prompt's tokens seen so far, with the maps mixed for that
-        many, as a one-shot compression places it, where the runtime knows it (``LayerView.places``, kept by a saved
-        session; not for sessions stacked after their prefill, which are placed by rank); ``"held"``, its
+        many, as a one-shot compression places it, where the runtime knows it (``LayerView.places``; a file saved
+        before places were kept is placed by rank); ``"held"``, its
         rank among the entries held (the kept ones, then the chunk) and the maps mixed for that many entries. The
         same in a one-shot compression.
     """
