@@ -23,7 +23,7 @@ def _true_places(layer, positions: torch.Tensor, mask: torch.Tensor) -> list[tor
 
 
 def _rolling_places(session: ContextSession, layer_idx: int, layer) -> list[torch.Tensor]:
-    flat = session.compressor.places.known[layer_idx][2]
+    flat = session.compressor.places.known[layer_idx][2].long()
     return list(flat.split(layer.lengths.flatten().tolist()))
 
 

@@ -26,7 +26,7 @@ _TENSOR = "places.{}"  # a saved session's tensor of layer i's places
 @dataclass
 class Places:
     """Each compressed layer's record: (its context_seen and lengths (b, h_kv) when placed, each context entry's
-    place (N,) long in storage order, the real tokens seen (b,))."""
+    place (N,) int32 in storage order, the real tokens seen (b,))."""
 
     known: dict[int, tuple] = field(default_factory=dict, repr=False)
 
@@ -43,8 +43,8 @@ class Places:
         """The places ``context`` (N,) of the entries the layer holds now, in storage order, after ``seen`` (b,) real
         tokens; a count that is not the layer's (a storage laid out otherwise) leaves them unknown."""
         self.known.pop(layer_idx, None)
-        if context.shape[0] == layer.context_keys.shape[0]:
-            self.known[layer_idx] = (layer.context_seen, layer.lengths.clone(), context, seen)
+        if context.shape[0] == layer.context_keys.shape[0]:  # 4 bytes an entry (its keys and values: 4 d or more)
+            self.known[layer_idx] = (layer.context_seen, layer.lengths.clone(), context.to(torch.int32), seen)
 
     def of(
         self, layer_idx: int, layer: CompressedLayer, real: torch.Tensor, guide: int = 0
@@ -57,6 +57,7 @@ class Places:
             if known is None or not _same_storage(known, layer):
                 return None, None
             _, _, context, before = known
+            context = context.long()
         else:  # dense: the tail is the whole sequence
             context, before = None, real.new_zeros(real.shape[0], dtype=torch.long)
         tail = before[:, None] + real.long().cumsum(-1) - 1  # (b, tail)
@@ -86,7 +87,7 @@ class Places:
         for index, layer in enumerate(layers):
             context = tensors.get(_TENSOR.format(index))
             if context is not None and layer.is_compressed:
-                self.remember(index, layer, context.long(), seen)
+                self.remember(index, layer, context, seen)
 
 
 def join(parts: list[tuple[Places | None, list]], layers: list) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -102,7 +103,7 @@ def join(parts: list[tuple[Places | None, list]], layers: list) -> dict[int, tup
             part = own[index]
             if not part.is_compressed:
                 b, h = part.keys.shape[:2]
-                context.append(torch.arange(part.tail, device=part.keys.device).repeat(b * h))
+                context.append(torch.arange(part.tail, dtype=torch.int32, device=part.keys.device).repeat(b * h))
                 seen.append(torch.full((b,), part.tail, dtype=torch.long, device=part.keys.device))
                 continue
             known = None if places is None else places.known.get(index)
