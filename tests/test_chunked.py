@@ -263,20 +263,21 @@ def test_the_commands_refuse_what_cannot_be_bounded(short_model, args, words):
     [["ruler", "--tasks", "vt", "--length", "128", "--samples", "1"], ["needle", "--lengths", "64", "--depths", "0.5"]],
 )
 def test_the_eval_sweeps_prefill_with_the_bounded_options_given(short_model, tmp_path, monkeypatch, benchmark):
-    """--chunk-size and --cap reach the sweep's sessions and its folder's settings, needle's as RULER's."""
+    """--chunk-size and --cap reach the sweep's sessions and its folder's settings, --full-from the sweep, needle's as
+    RULER's."""
     recorded = []
 
-    def sweep(*args, bounded=None, settings, **kwargs):
-        recorded.append((bounded, settings.get("bounded")))
+    def sweep(*args, bounded=None, settings, full_from=None, **kwargs):
+        recorded.append((bounded, settings.get("bounded"), full_from))
         raise CriticalKVError("stop before answering")
 
     monkeypatch.setattr("criticalkv.eval.commands.run_sweep", sweep)
     monkeypatch.setattr("criticalkv.eval.ruler.generate", lambda *args, **kwargs: [])
     monkeypatch.setattr("criticalkv.eval.commands._check_prompts", lambda *args: None)  # the template exceeds 128
     args = ["eval", *benchmark, "--model", str(short_model), "--device", "cpu", "--out", str(tmp_path / "out")]
-    result = CliRunner().invoke(app, [*args, "--chunk-size", "16", "--cap", "8"])
+    result = CliRunner().invoke(app, [*args, "--chunk-size", "16", "--cap", "8", "--full-from", str(tmp_path / "one")])
     assert "stop before answering" in result.output, result.output
-    assert recorded == [({"chunk_size": 16, "cap": 8}, {"chunk_size": 16, "cap": 8})]
+    assert recorded == [({"chunk_size": 16, "cap": 8}, {"chunk_size": 16, "cap": 8}, tmp_path / "one")]
 
 
 def test_heads_holding_different_counts_read_their_own_entries_alone():

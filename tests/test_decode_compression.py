@@ -4,6 +4,8 @@ and a session's context is the same for every question."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from bounded_reference import Tracker
@@ -13,7 +15,7 @@ from test_sweep import _score, _setup
 import criticalkv
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedLayer
-from criticalkv.errors import BoundedMemoryError
+from criticalkv.errors import BoundedMemoryError, CriticalKVError
 from criticalkv.eval.sweep import run_sweep
 from criticalkv.prompts import encode_prompt
 from criticalkv.runtime.session import ContextSession
@@ -116,6 +118,70 @@ def test_a_sweep_with_bounded_options_answers_as_separate_bounded_sessions(tmp_p
         tokens = session.ask(torch.tensor([suffix_ids]), max_new_tokens=6, eos_token_id=tiny_tokenizer.eos_token_id)
         assert tiny_tokenizer.decode(tokens.tokens[0], skip_special_tokens=True).strip() == row.prediction
     assert rows[1].kept_fraction < 0.2  # 24 entries per head of a prompt of more than 200 tokens
+
+
+def test_a_chunked_sweep_copies_the_full_cache_rows_of_a_one_shot_sweep(tmp_path, tiny_tokenizer, monkeypatch):
+    """``full_from``: the chunked folder takes the one-shot folder's full-cache rows (marked copied) instead of
+    prefilling the full cache again; a sample the one-shot folder lacks is answered; the compressed rows and their
+    kept fractions are a chunked sweep's that prefilled the full cache."""
+    model, samples = _setup(tiny_tokenizer)
+    bounded = {"chunk_size": 64, "cap": 24}
+    common = {"methods": ["critical-snapkv"], "budgets": [Budget(24)], "regime": "agnostic"}
+    common |= {"max_new_tokens": lambda s: 6}
+    settings = {"benchmark": "toy", "seed": 0}
+    oneshot = run_sweep(
+        model, tiny_tokenizer, samples[:2], _score, out_dir=tmp_path / "oneshot", settings=settings, **common
+    )
+    chunked = {"bounded": bounded, "settings": {"bounded": bounded, **settings}}
+    reference = run_sweep(model, tiny_tokenizer, samples, _score, out_dir=tmp_path / "prefilled", **chunked, **common)
+    full_prefills = []
+    prefill = ContextSession.prefill
+
+    def counted(session, *args, **kwargs):
+        full_prefills.append(session.compressor is None or session.compressor.method is None)
+        return prefill(session, *args, **kwargs)
+
+    monkeypatch.setattr(ContextSession, "prefill", counted)
+    rows = run_sweep(
+        model,
+        tiny_tokenizer,
+        samples,
+        _score,
+        out_dir=tmp_path / "copied",
+        full_from=tmp_path / "oneshot",
+        **chunked,
+        **common,
+    )
+    assert sum(full_prefills) == 1 and len(full_prefills) == 4  # the full cache of sample 2 only
+    full = {r.index: r for r in rows if r.method == "full"}
+    assert [full[i].copied for i in range(3)] == [True, True, False]
+    assert all(full[r.index].prediction == r.prediction for r in oneshot if r.method == "full")
+    compressed = [(r.index, r.prediction, r.kept_fraction) for r in rows if r.method != "full"]
+    assert compressed == [(r.index, r.prediction, r.kept_fraction) for r in reference if r.method != "full"]
+    stored = [json.loads(line) for line in (tmp_path / "copied" / "results.jsonl").read_text().splitlines()]
+    assert [row.get("copied") for row in stored if row["method"] == "full"] == [True, True, None]
+    assert all("copied" not in row for row in stored if row["method"] != "full")
+
+    with pytest.raises(CriticalKVError, match="chunked sweep"):  # one-shot: its prefill is shared anyway
+        run_sweep(
+            model, tiny_tokenizer, samples, _score, out_dir=tmp_path / "x", full_from=tmp_path / "oneshot", **common
+        )
+    other = {"bounded": bounded, "settings": {"bounded": bounded, "benchmark": "toy", "seed": 1}}
+    with pytest.raises(CriticalKVError, match="seed: 0 there, 1 here"):
+        run_sweep(
+            model,
+            tiny_tokenizer,
+            samples,
+            _score,
+            out_dir=tmp_path / "y",
+            full_from=tmp_path / "oneshot",
+            **other,
+            **common,
+        )
+    with pytest.raises(CriticalKVError, match=r"no sweep\.json"):
+        run_sweep(
+            model, tiny_tokenizer, samples, _score, out_dir=tmp_path / "z", full_from=tmp_path, **chunked, **common
+        )
 
 
 def test_stacked_sessions_compress_while_answering_once_they_saw_a_window():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Protocol
 
 from transformers import PretrainedConfig, PreTrainedModel
@@ -119,10 +120,19 @@ class CompressedCache(StageLength, Cache):
 
     def entries(self) -> int:
         """(batch, layer, head, token) entries held, summed over every layer."""
+        return self._count(CompressedLayer.entries)
+
+    def full_entries(self) -> int:
+        """(batch, layer, head, token) entries the cache would hold had nothing been evicted: every token seen, in
+        every compressed layer; a layer criticalkv does not compress (a sliding window) as it is."""
+        return self._count(CompressedLayer.full_entries)
+
+    def _count(self, compressed: Callable[[CompressedLayer], int]) -> int:
+        """``compressed`` of every compressed layer, plus the entries every other layer holds."""
         total = 0
         for layer in self.layers:
             if isinstance(layer, CompressedLayer):
-                total += layer.entries()
+                total += compressed(layer)
             elif getattr(layer, "is_initialized", False) and layer.keys is not None:  # DummyLayer: no keys
                 total += layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2]
         return total

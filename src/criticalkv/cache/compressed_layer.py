@@ -423,6 +423,13 @@ class CompressedLayer(CacheLayerMixin):
             return self.tail * self.keys.shape[0] * self.keys.shape[1]
         return int(self.lengths.sum()) + self.tail * self.lengths.numel()
 
+    def full_entries(self) -> int:
+        """(batch, head, token) entries the layer would hold had nothing been evicted: every token it has seen."""
+        if not self.is_initialized:
+            return 0
+        b, h = self.lengths.shape if self.is_compressed else self.keys.shape[:2]
+        return b * h * self.seen
+
     def _reserve(self, needed: int) -> None:
         if self._joined is not None:
             width = self.uniform_width()

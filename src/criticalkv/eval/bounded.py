@@ -4,6 +4,7 @@ compress_every=)``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, NamedTuple
 
 import typer
@@ -34,6 +35,15 @@ GuideChunksOption = Annotated[
     typer.Option(
         help="Question-aware chunked prefill: every chunk but the last is scored by the question's queries, run "
         "after it and never kept, instead of the chunk's own last queries (docs/guide.md)."
+    ),
+]
+
+
+FullFromOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="A sweep folder of the same samples answered one-shot: a chunked sweep copies its full-cache rows "
+        "instead of prefilling the full cache in chunks again (it evicts nothing: chunks change only its rounding)."
     ),
 ]
 

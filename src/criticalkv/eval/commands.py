@@ -15,7 +15,14 @@ import typer
 from criticalkv.budget import Budget
 from criticalkv.distributed import launch
 from criticalkv.errors import CriticalKVError, did_you_mean
-from criticalkv.eval.bounded import Bounded, CapOption, ChunkSizeOption, CompressEveryOption, GuideChunksOption
+from criticalkv.eval.bounded import (
+    Bounded,
+    CapOption,
+    ChunkSizeOption,
+    CompressEveryOption,
+    FullFromOption,
+    GuideChunksOption,
+)
 from criticalkv.eval.report import HEATMAP_PREFIX, file_stem, write_report
 from criticalkv.eval.shard import SHARD_HELP, Shard
 from criticalkv.eval.sweep import REGIMES, check_out_folder, load_rows, pair_label, run_sweep, stored_settings
@@ -217,6 +224,7 @@ def ruler(
     cap: CapOption = None,
     compress_every: CompressEveryOption = None,
     guide_chunks: GuideChunksOption = False,
+    full_from: FullFromOption = None,
     shard: ShardOption = None,
 ) -> None:
     """RULER's 13 tasks: every method and budget against the full cache, with compression loss."""
@@ -254,6 +262,7 @@ def ruler(
         device,
         Bounded(chunk_size, cap, compress_every, guide_chunks),
         shard,
+        full_from,
     )
 
 
@@ -277,6 +286,7 @@ def facts(
     cap: CapOption = None,
     compress_every: CompressEveryOption = None,
     guide_chunks: GuideChunksOption = False,
+    full_from: FullFromOption = None,
     shard: ShardOption = None,
 ) -> None:
     """The facts benchmark (RULER's check on other text and phrasing): every method and budget against the full
@@ -313,6 +323,7 @@ def facts(
         device,
         Bounded(chunk_size, cap, compress_every, guide_chunks),
         shard,
+        full_from,
     )
 
 
@@ -347,6 +358,7 @@ def _sweep_generated(
     device: str,
     bounded: Bounded,
     shard: str | None,
+    full_from: Path | None,
 ) -> None:
     """Generate ``benchmark``'s samples once the tokenizer is known (index-major: sample 0 of every task, then sample
     1, ...: a sweep stopped early has every task evenly), then sweep them (``shard``'s share of them) into a
@@ -399,6 +411,7 @@ def _sweep_generated(
                 batch_answers=batch_answers,
                 bounded=bounded.options,
                 guide_chunks=bounded.guide_chunks,
+                full_from=full_from,
                 settings={
                     **bounded.setting,
                     "benchmark": benchmark.name,
@@ -456,6 +469,7 @@ def needle(
     cap: CapOption = None,
     compress_every: CompressEveryOption = None,
     guide_chunks: GuideChunksOption = False,
+    full_from: FullFromOption = None,
 ) -> None:
     """Needle in a haystack over depths x lengths: one heatmap per method and budget."""
     from criticalkv.eval.needle_grid import check_grid, needle_grid, plot_heatmap
@@ -501,6 +515,7 @@ def needle(
                 batch_answers=batch_answers,
                 bounded=bounded.options,
                 guide_chunks=bounded.guide_chunks,
+                full_from=full_from,
                 # a sample's index is its cell in the lengths x depths grid
                 settings={
                     **bounded.setting,
@@ -554,6 +569,7 @@ def longbench(
     cap: CapOption = None,
     compress_every: CompressEveryOption = None,
     guide_chunks: GuideChunksOption = False,
+    full_from: FullFromOption = None,
     shard: ShardOption = None,
 ) -> None:
     """LongBench v1 (English and code) from local files: THUDM's prompts, truncation and metrics, every method and
@@ -604,6 +620,7 @@ def longbench(
                 batch_answers=batch_answers,
                 bounded=bounded.options,
                 guide_chunks=bounded.guide_chunks,
+                full_from=full_from,
                 settings={
                     **bounded.setting,
                     "benchmark": "longbench",

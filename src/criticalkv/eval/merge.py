@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 from criticalkv.errors import CriticalKVError
@@ -58,7 +57,7 @@ def merge_sweeps(folders: list[Path], out: Path, methods: list[str] | None = Non
     if missing:
         raise CriticalKVError(f"no rows of {missing} in {', '.join(map(str, folders))}")
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "results.jsonl", "".join(json.dumps(asdict(row)) + "\n" for row, _ in rows.values()))
+    write_atomic(out / "results.jsonl", "".join(json.dumps(row.record()) + "\n" for row, _ in rows.values()))
     if settings:
         write_json(out / SETTINGS_FILE, next(iter(settings.values())), indent=2)
     if configurations:

@@ -6,6 +6,7 @@ stopped. ``criticalkv.eval.report`` turns the file into tables and plots.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -83,6 +84,15 @@ class Row:
     prompt_tokens: int
     kept_fraction: float
     batched: bool = False  # answered as a row of a batched decode (``batch_answers``), not alone
+    # the full cache's row of the same sample in another sweep, copied (``run_sweep``'s ``full_from``), not answered
+    copied: bool = False
+
+    def record(self) -> dict:
+        """The row as results.jsonl stores it (``copied`` only where true: the rows of before it stay as they were)."""
+        fields = asdict(self)
+        if not self.copied:
+            del fields["copied"]
+        return fields
 
 
 def is_count(budget: float | int) -> bool:
@@ -118,6 +128,7 @@ def run_sweep(
     raw_predictions: bool = False,
     bounded: dict | None = None,
     guide_chunks: bool = False,
+    full_from: Path | None = None,
 ) -> list[Row]:
     """Answer every sample with the full cache and every (method, budget) pair; append rows to results.jsonl.
 
@@ -143,6 +154,12 @@ def run_sweep(
     with ``guide_chunks`` (question-aware), every chunk but the last is scored by the question's queries
     (``ContextSession.prefill``'s ``guide_ids``).
 
+    ``full_from`` (with ``bounded``): a sweep folder of the same samples (its settings are this run's but for
+    ``bounded``), whose full-cache rows this folder takes, marked ``copied``, instead of prefilling the full cache in
+    chunks and answering again: the full cache evicts nothing, so chunks change only its rounding (RULER-4k,
+    Qwen2.5-0.5B: the same score on all 260 samples, docs/results.md). A sample it lacks is answered here; the
+    compressed pairs' kept fractions count what the full cache would hold (``CompressedCache.full_entries``).
+
     A prediction is the decoded answer with its surrounding whitespace stripped (RULER's and the needle's scorers
     strip it too); with ``raw_predictions`` as decoded (LongBench: THUDM scores the raw text, and the indentation of
     a code line counts in ``code_sim_score``).
@@ -156,6 +173,7 @@ def run_sweep(
             "--batch-answers needs every attention layer compressible; this model has sliding-window layers, "
             "whose caches cannot be stacked: run without it"
         )
+    reference = _full_rows(full_from, settings, regime, bounded) if full_from is not None else {}
     pairs = [FULL_PAIR] + [(pair_label(m, b), m, b) for m in methods if m != "full" for b in budgets]
     labels = [label for label, _, _ in pairs]
     if len(set(labels)) < len(labels):
@@ -189,22 +207,29 @@ def run_sweep(
                     advance(f"{sample.task} #{sample.index} (on disk)", skipped=True)
                     continue
                 ids = encode(sample)
-                sample_rows = _answer(
-                    model,
-                    tokenizer,
-                    sample,
-                    ids,
-                    score,
-                    todo,
-                    regime,
-                    max_new_tokens(sample),
-                    stop(sample),
-                    layout,
-                    batch_answers,
-                    raw_predictions,
-                    bounded,
-                    guide_chunks,
-                )
+                copied = reference.get((sample.task, sample.index))
+                if copied is not None and any(label == "full" for label, _, _ in todo):
+                    _check_copied(copied, ids, full_from)
+                    todo = [pair for pair in todo if pair[0] != "full"]
+                sample_rows = [] if copied is None or "full" in answered else [copied]
+                if todo:
+                    sample_rows += _answer(
+                        model,
+                        tokenizer,
+                        sample,
+                        ids,
+                        score,
+                        todo,
+                        regime,
+                        max_new_tokens(sample),
+                        stop(sample),
+                        layout,
+                        batch_answers,
+                        raw_predictions,
+                        bounded,
+                        guide_chunks,
+                        with_full=copied is None,
+                    )
                 try:
                     if unrecorded is not None:  # with the first row: a run that fails before leaves no settings
                         _record_settings(out_dir, unrecorded)
@@ -212,7 +237,7 @@ def run_sweep(
                     if layout.is_main and not rows:  # what each method name means, with this run's first rows
                         method_record.record(out_dir, described)
                     for row in sample_rows:
-                        sink.write(json.dumps(asdict(row)) + "\n")
+                        sink.write(json.dumps(row.record()) + "\n")
                     sink.flush()
                 except OSError as error:  # a full disk: the rows written before are whole (a cut line is dropped)
                     raise CriticalKVError(
@@ -225,6 +250,40 @@ def run_sweep(
     finally:
         if lock is not None:
             lock.release()
+
+
+def _full_rows(folder: Path, settings: dict | None, regime: str, bounded: dict | None) -> dict[tuple[str, int], Row]:
+    """The full cache's rows of sweep ``folder`` in ``regime``, by (task, index), marked copied; refused unless this
+    sweep is bounded and the folder's settings are this sweep's but for the bounded options."""
+    if not bounded:
+        raise CriticalKVError(
+            "--full-from copies the full cache's rows into a chunked sweep (--chunk-size or --compress-every); "
+            "a one-shot sweep prefills the full cache once for every pair anyway"
+        )
+    theirs = stored_settings(folder)
+    if theirs is None:
+        raise CriticalKVError(f"--full-from {folder}: no {SETTINGS_FILE} there, so its samples cannot be checked")
+    ours = json.loads(json.dumps(settings or {}))  # as stored: tuples become lists
+    changed = sorted(k for k in ours | theirs if k != "bounded" and ours.get(k) != theirs.get(k))
+    if changed:
+        listed = "; ".join(f"{k}: {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in changed)
+        raise CriticalKVError(f"--full-from {folder} holds other samples or answers ({listed})")
+    return {
+        (row.task, row.index): dataclasses.replace(row, copied=True)
+        for row in load_rows(folder / "results.jsonl")
+        if row.method == "full" and row.regime == regime
+    }
+
+
+def _check_copied(row: Row, ids: tuple[list[int], list[int]], folder: Path) -> None:
+    """Refuse a copied row whose prompt is not this sample's (the settings matched, so the code generating the
+    samples changed between the two sweeps)."""
+    tokens = len(ids[0]) + len(ids[1])
+    if row.prompt_tokens != tokens:
+        raise CriticalKVError(
+            f"--full-from {folder}: {row.task} #{row.index} had {row.prompt_tokens} prompt tokens there, {tokens} "
+            "here: the samples differ"
+        )
 
 
 def _lock_folder(out_dir: Path) -> tuple[FileLock | None, str | None]:
@@ -263,13 +322,16 @@ def _answer(
     raw_predictions: bool,
     bounded: dict | None = None,
     guide_chunks: bool = False,
+    with_full: bool = True,
 ) -> list[Row]:
     """The rows of ``pairs`` for one sample of prompt ``ids`` (context ids, question ids); the full cache is
-    prefilled in any case (the kept fractions' base)."""
+    prefilled in any case (the kept fractions' base), unless ``with_full`` is False (a chunked sweep whose full rows
+    are copied: the base is then counted, ``CompressedCache.full_entries``)."""
     prefix_ids, suffix_ids = ids
     prompt = prefix_ids + suffix_ids if regime == "aware" else prefix_ids
     device = next(model.parameters()).device
-    targets = pairs if any(label == "full" for label, _, _ in pairs) else [FULL_PAIR, *pairs]
+    listed = any(label == "full" for label, _, _ in pairs)
+    targets = pairs if listed or not with_full else [FULL_PAIR, *pairs]
     if bounded:  # each pair prefills in chunks on its own: no shared forward
         sessions = {label: ContextSession(model, method, budget, **bounded) for label, method, budget in targets}
         guide = torch.tensor([suffix_ids], device=device) if guide_chunks else None  # aware: run_sweep checked
@@ -277,7 +339,10 @@ def _answer(
             session.prefill(torch.tensor([prompt], device=device), guide_ids=guide)
     else:
         sessions = SharedPrefill(model, targets).prefill(torch.tensor([prompt], device=device))
-    full_entries = layout.total(sessions["full"].kv_entries())  # the whole model's, every rank's part counted
+    if "full" in sessions:  # the whole model's, every rank's part counted
+        full_entries = layout.total(sessions["full"].kv_entries())
+    else:  # what the full cache would hold: every token in every layer (bounded: each session has its own cache)
+        full_entries = layout.total(next(iter(sessions.values())).cache.full_entries())
     kept = {label: layout.total(session.kv_entries()) / full_entries for label, session in sessions.items()}
     texts, batched = {}, {}
     for group in _answer_groups([label for label, _, _ in pairs], batch_answers):
