@@ -16,6 +16,7 @@ import criticalkv
 from criticalkv.budget import Budget
 from criticalkv.cache import CompressedLayer
 from criticalkv.errors import BoundedMemoryError, CriticalKVError
+from criticalkv.eval.report import write_report
 from criticalkv.eval.sweep import run_sweep
 from criticalkv.prompts import encode_prompt
 from criticalkv.runtime.session import ContextSession
@@ -161,6 +162,8 @@ def test_a_chunked_sweep_copies_the_full_cache_rows_of_a_one_shot_sweep(tmp_path
     stored = [json.loads(line) for line in (tmp_path / "copied" / "results.jsonl").read_text().splitlines()]
     assert [row.get("copied") for row in stored if row["method"] == "full"] == [True, True, None]
     assert all("copied" not in row for row in stored if row["method"] != "full")
+    assert "full cache's rows of 2 of 3 samples were copied" in write_report(tmp_path / "copied").read_text()
+    assert "copied" not in write_report(tmp_path / "prefilled").read_text()
 
     with pytest.raises(CriticalKVError, match="chunked sweep"):  # one-shot: its prefill is shared anyway
         run_sweep(

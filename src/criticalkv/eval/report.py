@@ -147,7 +147,8 @@ def write_report(results_dir: Path, title: str = "") -> Path:
 
     Without ``title``, the folder's ``sweep.json`` names it (``sweep_title``). The needle's heatmaps in the folder
     (``HEATMAP_PREFIX``) are shown after the tables."""
-    summary = summarise(load_rows(results_dir / "results.jsonl"))
+    rows = load_rows(results_dir / "results.jsonl")
+    summary = summarise(rows)
     tasks = summary["tasks"]
     write_json(results_dir / "summary.json", summary, indent=2)
     with (results_dir / "summary.csv").open("w", newline="") as f:
@@ -180,6 +181,7 @@ def write_report(results_dir: Path, title: str = "") -> Path:
             "",
             f"Samples per task: {per_task}. Loss: (full - method) / full, on the same samples; in brackets its "
             f"{LEVEL:.0%} bootstrap interval over samples (n/a where the full cache scores 0 in some resample).",
+            *_copied_line([r for r in rows if r.regime == regime and r.method == "full"]),
             "",
             "| method | budget | " + "samples | " * mixed + " | ".join(tasks) + " | mean | loss |",
             "|---|---|" + "---|" * (len(tasks) + 2 + mixed),
@@ -208,6 +210,18 @@ def write_report(results_dir: Path, title: str = "") -> Path:
     path = results_dir / "report.md"
     write_atomic(path, "\n".join(lines))
     return path
+
+
+def _copied_line(full: list[Row]) -> list[str]:
+    """A line saying how many of the full cache's rows were copied from another sweep (``--full-from``), if any."""
+    copied = sum(row.copied for row in full)
+    if not copied:
+        return []
+    return [
+        "",
+        f"The full cache's rows of {copied} of {len(full)} samples were copied from a sweep of the same samples "
+        "(`--full-from`), not answered in this folder.",
+    ]
 
 
 def _percent(value: float, interval: tuple[float, float] | None) -> str:
