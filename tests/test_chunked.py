@@ -251,6 +251,8 @@ def test_run_prefills_in_chunks_and_compresses_while_answering(short_model, tmp_
         (["compress", "--chunk-size", "16", "--context-file", "x", "--out", "y"], "give --cap"),
         (["serve", "--compress-every", "16"], "give --cap"),
         (["serve", "--guide-chunks", "--cap", "16"], "give --chunk-size"),
+        (["eval", "ruler", "--budgets", "8", "--full-from", "x"], "--full-from copies the full cache's rows"),
+        (["eval", "needle", "--budgets", "8", "--full-from", "x"], "--full-from copies the full cache's rows"),
     ],
 )
 def test_the_commands_refuse_what_cannot_be_bounded(short_model, args, words):

@@ -79,6 +79,14 @@ class Bounded(NamedTuple):
                 "know while it prefills: use --mode aware"
             )
 
+    def check_full_from(self, full_from: Path | None) -> None:
+        """Refuse ``--full-from`` on a sweep that prefills whole: its pairs share the full cache's prefill already."""
+        if full_from is not None and not self.options:
+            raise BoundedMemoryError(
+                "--full-from copies the full cache's rows into a chunked sweep (--chunk-size or --compress-every); "
+                "a one-shot sweep prefills the full cache once for every pair anyway"
+            )
+
     def budgets(self, budgets: list[Budget]) -> list[Budget]:
         """A sweep's budgets: ``[Budget(cap)]`` when a cap is given (a sweep names its pairs by budget, so the cap
         is the one budget; any other budget given with it is refused), else ``budgets``, which must then be counts when

@@ -379,6 +379,7 @@ def _sweep_generated(
         names, built = _methods(methods)
         regime = regime_of(mode, question_aware)
         bounded.check_guide(regime)
+        bounded.check_full_from(full_from)
         if launch.is_main_process():
             console.print(regime_line(regime))
         folder = out or Path("results") / f"{benchmark.name}-{Path(model).name}-{length}-{regime}{_suffix(part)}"
@@ -480,6 +481,7 @@ def needle(
         names, built = _methods(methods)
         regime = regime_of(mode, question_aware)
         bounded.check_guide(regime)
+        bounded.check_full_from(full_from)
         if launch.is_main_process():
             console.print(regime_line(regime))
         folder = out or Path("results") / f"needle-{Path(model).name}-{regime}"
@@ -588,6 +590,7 @@ def longbench(
         names, built = _methods(methods)
         regime = regime_of(mode, question_aware)
         bounded.check_guide(regime)
+        bounded.check_full_from(full_from)
         if launch.is_main_process():
             console.print(regime_line(regime))
         folder = out or Path("results") / f"longbench-{Path(model).name}-{max_length}-{regime}{_suffix(part)}"

@@ -255,11 +255,7 @@ def run_sweep(
 def _full_rows(folder: Path, settings: dict | None, regime: str, bounded: dict | None) -> dict[tuple[str, int], Row]:
     """The full cache's rows of sweep ``folder`` in ``regime``, by (task, index), marked copied; refused unless this
     sweep is bounded and the folder's settings are this sweep's but for the bounded options."""
-    if not bounded:
-        raise CriticalKVError(
-            "--full-from copies the full cache's rows into a chunked sweep (--chunk-size or --compress-every); "
-            "a one-shot sweep prefills the full cache once for every pair anyway"
-        )
+    Bounded(**(bounded or {})).check_full_from(folder)
     theirs = stored_settings(folder)
     if theirs is None:
         raise CriticalKVError(f"--full-from {folder}: no {SETTINGS_FILE} there, so its samples cannot be checked")
