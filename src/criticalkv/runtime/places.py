@@ -71,6 +71,7 @@ class Places:
         return dict(self.known)
 
     def restore(self, saved: dict[int, tuple]) -> None:
+        """Back to what ``saved`` returned."""
         self.known = dict(saved)
 
     def tensors(self, layers: list[CompressedLayer]) -> dict[str, torch.Tensor]:
