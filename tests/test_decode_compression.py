@@ -170,7 +170,7 @@ def test_a_chunked_sweep_copies_the_full_cache_rows_of_a_one_shot_sweep(tmp_path
             model, tiny_tokenizer, samples, _score, out_dir=tmp_path / "x", full_from=tmp_path / "oneshot", **common
         )
     other = {"bounded": bounded, "settings": {"bounded": bounded, "benchmark": "toy", "seed": 1}}
-    with pytest.raises(CriticalKVError, match="seed: 0 there, 1 here"):
+    with pytest.raises(CriticalKVError, match="seed: 0 there, 1 now"):
         run_sweep(
             model,
             tiny_tokenizer,

@@ -27,6 +27,19 @@ def _rolling_places(session: ContextSession, layer_idx: int, layer) -> list[torc
     return list(flat.split(layer.lengths.flatten().tolist()))
 
 
+def _places_read(monkeypatch) -> list:
+    """What the surrogate reads at each scoring from now on: (places, seen), or None where it gets no places."""
+    read = []
+    real_score = SurrogateScorer.score
+
+    def score(scorer, view):
+        read.append(None if view.places is None else (view.places.clone(), view.seen.clone()))
+        return real_score(scorer, view)
+
+    monkeypatch.setattr(SurrogateScorer, "score", score)
+    return read
+
+
 @pytest.mark.parametrize(
     ("method", "padded", "guided"),
     [("critical-surrogate", True, False), ("layer-surrogate", False, False), ("surrogate", True, True)],
@@ -64,14 +77,7 @@ def test_places_during_decoding_count_the_answer_after_the_prompt(monkeypatch):
     model = _model("llama")
     ids = _ids(30, seed=2)
     weights = _options("surrogate", model)["weights"]
-    read = []
-    real_score = SurrogateScorer.score
-
-    def score(scorer, view):
-        read.append(None if view.places is None else (view.places.clone(), view.seen.clone()))
-        return real_score(scorer, view)
-
-    monkeypatch.setattr(SurrogateScorer, "score", score)
+    read = _places_read(monkeypatch)
     for place in ("prompt", "held"):
         read.clear()
         session = ContextSession(model, "surrogate", cap=10, compress_every=4, weights=weights, place=place)
@@ -136,14 +142,7 @@ def test_a_saved_session_keeps_its_entries_places_for_compression_while_decoding
             ]
         finally:
             tracker.close()
-    read = []
-    real_score = SurrogateScorer.score
-
-    def score(scorer, view):
-        read.append(None if view.places is None else (view.places.clone(), view.seen.clone()))
-        return real_score(scorer, view)
-
-    monkeypatch.setattr(SurrogateScorer, "score", score)
+    read = _places_read(monkeypatch)
     for place in ("prompt", "held"):
         saved = ContextSession(model, "surrogate", weights=weights, place=place, **sizes)
         saved.prefill(ids)
@@ -170,14 +169,7 @@ def test_stacked_sessions_follow_their_rows_places_while_answering(monkeypatch):
     the answer is compressed, as each session alone does; the sessions' own places are left as they were."""
     model = _model("llama")
     weights = _options("surrogate", model)["weights"]
-    read = []
-    real_score = SurrogateScorer.score
-
-    def score(scorer, view):
-        read.append(None if view.places is None else view.places.clone())
-        return real_score(scorer, view)
-
-    monkeypatch.setattr(SurrogateScorer, "score", score)
+    read = _places_read(monkeypatch)
     sessions = []
     for chunk_size in (None, 12):  # a one-shot context, and one in chunks (a dense first layer's places included)
         session = ContextSession(
@@ -195,7 +187,8 @@ def test_stacked_sessions_follow_their_rows_places_while_answering(monkeypatch):
     stacked = ContextSession.stacked(sessions)
     stacked.ask(_ids(3, seed=4).expand(2, -1), max_new_tokens=6)
     assert read and all(r is not None for r in read)
-    assert torch.equal(read[0][0], alone[0][0]) and torch.equal(read[0][1], alone[1][0])  # the rows, in order
+    places, first, second = read[0][0], alone[0][0], alone[1][0]
+    assert torch.equal(places[0], first[0]) and torch.equal(places[1], second[0])  # the rows, in order
     for session, before in zip(sessions, own, strict=True):
         assert session.compressor.places.known.keys() == before.keys()
         assert all(session.compressor.places.known[i][2] is before[i][2] for i in before)

@@ -260,9 +260,8 @@ def _full_rows(folder: Path, settings: dict | None, regime: str, bounded: dict |
     if theirs is None:
         raise CriticalKVError(f"--full-from {folder}: no {SETTINGS_FILE} there, so its samples cannot be checked")
     ours = json.loads(json.dumps(settings or {}))  # as stored: tuples become lists
-    changed = sorted(k for k in ours | theirs if k != "bounded" and ours.get(k) != theirs.get(k))
-    if changed:
-        listed = "; ".join(f"{k}: {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in changed)
+    listed = _differences(theirs, ours, skip="bounded")
+    if listed:
         raise CriticalKVError(f"--full-from {folder} holds other samples or answers ({listed})")
     return {
         (row.task, row.index): dataclasses.replace(row, copied=True)
@@ -433,9 +432,8 @@ def _settings_conflict(out_dir: Path, settings: dict | None) -> str | None:
             "recorded, so they cannot be checked against this run's; use another --out"
         )
     if stored is not None:
-        changed = {k: (stored.get(k), settings.get(k)) for k in stored | settings if stored.get(k) != settings.get(k)}
-        if changed:
-            listed = "; ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in changed.items())
+        listed = _differences(stored, settings)
+        if listed:
             return (
                 f"{out_dir} holds a sweep with other settings ({listed}): its rows would mix with this run's; "
                 "use another --out"
@@ -446,6 +444,13 @@ def _settings_conflict(out_dir: Path, settings: dict | None) -> str | None:
 def _record_settings(out_dir: Path, settings: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / SETTINGS_FILE, settings, indent=2)
+
+
+def _differences(stored: dict, settings: dict, skip: str | None = None) -> str:
+    """The settings that differ between a folder's ``stored`` ones and this run's (``skip`` aside), one
+    ``name: stored there, given now`` each; empty where none do."""
+    changed = [k for k in stored | settings if k != skip and stored.get(k) != settings.get(k)]
+    return "; ".join(f"{k}: {stored.get(k)!r} there, {settings.get(k)!r} now" for k in changed)
 
 
 def stored_settings(folder: Path) -> dict | None:
