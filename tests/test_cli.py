@@ -505,6 +505,6 @@ def test_models_lists_the_presets_and_every_supported_family():
 
     result = CliRunner().invoke(app, ["models"], env={"COLUMNS": "400"})
     assert result.exit_code == 0, result.output
-    assert "smollm2-135m" in result.output
+    assert "smollm2-135m" in result.output and "93 MB" in result.output  # its GGUF download
     rows = {tuple(cell.strip() for cell in line.split("│")[1:3]) for line in result.output.splitlines() if "│" in line}
     assert set(SUPPORTED_FAMILIES.items()) <= {(model_type, name) for name, model_type in rows}

