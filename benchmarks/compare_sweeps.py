@@ -2,7 +2,7 @@
 and the paired difference (second minus first) with its 95% bootstrap interval over the samples both answered.
 
 Made for a chunked prefill against one-shot compression at the same number of kept entries (the two sweeps differ in
-their settings, so ``criticalkv merge`` refuses to join them):
+their settings, so ``criticalkv report A B --out`` refuses to join them):
 
     python benchmarks/compare_sweeps.py results/r4k-aware-oneshot results/r4k-aware-chunked \
         --labels one-shot,chunked --out results/r4k-aware-chunked-vs-oneshot.json
